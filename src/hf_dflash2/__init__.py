@@ -1,0 +1,19 @@
+"""dFlash 2 speculative decoding for Hugging Face Transformers."""
+
+from .configuration_dflash2 import DFlash2Config
+from .generation import SpeculativeOutput, speculative_generate
+from .modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
+from .candidate_generator_dflash2 import DFlash2CandidateGenerator
+from .speculative_dflash2 import SpeculativeStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DFlash2Config",
+    "DFlash2DraftModel",
+    "DFlashDraftModel",
+    "DFlash2CandidateGenerator",
+    "SpeculativeOutput",
+    "SpeculativeStats",
+    "speculative_generate",
+]

@@ -45,31 +45,39 @@ class DFlash2RMSNorm(nn.Module):
 
 
 class DFlash2RotaryEmbedding(nn.Module):
-    """RoPE at arbitrary absolute positions (the block sits after the context, rows can differ)."""
+    """RoPE at arbitrary absolute positions (the block sits after the context, rows can differ).
+
+    The inverse frequencies are recomputed from the config rather than kept in a buffer: a
+    non-persistent buffer is left uninitialised when ``from_pretrained`` builds the model on ``meta``.
+    """
 
     def __init__(self, config: DFlash2Config):
         super().__init__()
-        rope = dict(config.rope_parameters or {})
-        rope_type = rope.get("rope_type", "default")
-        if rope_type == "default":
-            base = rope.get("rope_theta", 10000.0)
-            dim = config.head_dim
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-            self.attention_scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        self.config = config
+        self._cached = None  # (inv_freq, attention_scaling), built on first use
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+    def _frequencies(self) -> tuple[torch.Tensor, float]:
+        if self._cached is None:
+            rope = dict(self.config.rope_parameters or {})
+            rope_type = rope.get("rope_type", "default")
+            if rope_type == "default":
+                base, dim = rope.get("rope_theta", 10000.0), self.config.head_dim
+                inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+                self._cached = (inv_freq, 1.0)
+            else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.config, torch.device("cpu"))
+                self._cached = (inv_freq.float(), float(scaling))
+        return self._cached
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [N, L] -> cos, sin: [N, 1, L, head_dim]"""
-        freqs = positions.float()[..., None] * self.inv_freq.float()
+        inv_freq, scaling = self._frequencies()
+        freqs = positions.float()[..., None] * inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_scaling).to(dtype)[:, None]
-        sin = (emb.sin() * self.attention_scaling).to(dtype)[:, None]
-        return cos, sin
+        return (emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -58,21 +58,23 @@ def block_loss(
     with torch.no_grad():
         top1 = logits.argmax(-1) == local_labels
         metrics = {
-            "unary_loss": float(unary_loss),
+            "unary_loss": float(unary_loss.detach()),
             "top1_by_position": ((top1 & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist(),
         }
     loss = unary_loss
     selector = drafter.candidate_selector
     if selector is not None and selector_weight > 0:
         k = min(selector.top_k, logits.shape[-1])
-        unary, candidates = logits.float().topk(k, dim=-1)  # [M, P, K] local ids
+        # The unary part of the tables is detached: U is trained by its own CE, the selector loss trains
+        # the pairwise term (codebooks, hidden projection and, through it, the backbone).
+        unary, candidates = logits.detach().float().topk(k, dim=-1)  # [M, P, K] local ids
         in_top = candidates == local_labels[..., None]
         found = in_top.any(-1)
         # Published choice 2: when the true token is outside the top-K it replaces the K-th candidate.
         last = torch.zeros_like(in_top)
         last[..., -1] = True
         candidates = torch.where(~found[..., None] & last, local_labels[..., None], candidates)
-        true_logit = logits.float().gather(-1, local_labels[..., None])
+        true_logit = logits.detach().float().gather(-1, local_labels[..., None])
         unary = torch.where(~found[..., None] & last, true_logit, unary)
         target_index = torch.where(found, in_top.float().argmax(-1), torch.full_like(labels, k - 1))
         global_candidates = candidates if vocab_subset is None else vocab_subset[candidates]
@@ -81,11 +83,11 @@ def block_loss(
         selector_loss = (sel_ce * weights).sum() / norm
         loss = loss + selector_weight * selector_loss
         with torch.no_grad():
-            metrics["selector_loss"] = float(selector_loss)
+            metrics["selector_loss"] = float(selector_loss.detach())
             picked = tables.argmax(-1) == target_index
             metrics["selector_top1_by_position"] = ((picked & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist()
             metrics["label_in_topk"] = float((found & valid).sum() / valid.sum().clamp_min(1))
-    metrics["loss"] = float(loss)
+    metrics["loss"] = float(loss.detach())
     if not math.isfinite(metrics["loss"]):
         raise FloatingPointError(f"non-finite training loss {metrics['loss']}")
     return loss, metrics

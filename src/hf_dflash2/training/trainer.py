@@ -55,6 +55,7 @@ class TrainingConfig:
     eval_prompts: int = 4
     eval_max_new_tokens: int = 64
     log_every: int = 10
+    cache_features: bool = True  # keep each sequence's tapped features after its first target forward
     extra: dict = field(default_factory=dict)
 
 
@@ -123,11 +124,14 @@ class Trainer:
             progress = (step - warmup) / max(1, config.steps - warmup)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        self.drafter, self.optimizer, self.scheduler = self.accelerator.prepare(drafter, optimizer, scheduler)
+        self.drafter, self.optimizer = self.accelerator.prepare(drafter, optimizer)
+        # Not passed to prepare(): accelerate would step it once per process, and our schedule counts
+        # optimizer steps of the global batch.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
+        self._features: dict[int, torch.Tensor] = {}
 
     # ----------------------------------------------------------------- data order
     def sequences_for_step(self, step: int) -> list[int]:
@@ -149,11 +153,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 7919 + index)
         anchors = sample_anchors(len(sequence["input_ids"]), sequence["response_start"], self.config.anchors_per_sequence, generator)
         block_ids, labels, predecessors = sequence_blocks(sequence, cfg.block_size, anchors, cfg.mask_token_id)
-        input_ids = torch.tensor([sequence["input_ids"]], device=device)
-        with torch.no_grad():
-            out = self.target(input_ids=input_ids, output_hidden_states=True)
-            features = tapped_features(out.hidden_states, cfg.target_layer_ids)
-        num_tokens = input_ids.shape[1]
+        features = self.target_features(index)
+        num_tokens = features.shape[1]
         positions = torch.arange(num_tokens, device=device)[None]
         anchors = anchors.to(device)[None]
         with self.accelerator.autocast():
@@ -179,6 +180,19 @@ class Trainer:
                 self.config.selector_weight if cfg.use_selector else 0.0,
             )
 
+    @torch.no_grad()
+    def target_features(self, index: int) -> torch.Tensor:
+        """[1, T, taps * H] tapped target states of a sequence (deterministic, so caching changes nothing)."""
+        if index in self._features:
+            return self._features[index]
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        input_ids = torch.tensor([self.sequences[index]["input_ids"]], device=self.accelerator.device)
+        out = self.target(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
+        features = tapped_features(out.hidden_states, drafter.config.target_layer_ids)
+        if self.config.cache_features:
+            self._features[index] = features
+        return features
+
     def train_step(self) -> dict:
         self.drafter.train()
         indices = self.sequences_for_step(self.step)
@@ -186,13 +200,14 @@ class Trainer:
         for index in indices:
             loss, m = self.sequence_loss(index, self.step)
             self.accelerator.backward(loss / len(indices))
-            total += float(loss) / len(indices)
+            total += float(loss.detach()) / len(indices)
             metrics.append(m)
         grad_norm = self.accelerator.clip_grad_norm_(self.drafter.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        total = float(self.accelerator.reduce(torch.tensor(total, device=self.accelerator.device), reduction="mean"))
         record = {
             "step": self.step,
             "loss": total,
@@ -296,4 +311,8 @@ def new_drafter_for(target, num_hidden_layers: int = 2, block_size: int = 16, df
     config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, **kwargs)
     torch.manual_seed(seed)
     drafter = DFlash2DraftModel(config).to(next(target.parameters()).dtype)
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    if final_norm is not None and getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+        with torch.no_grad():  # start at the output scale the target's LM head is used to
+            drafter.norm.weight.copy_(final_norm.weight)
     return drafter

@@ -1,0 +1,80 @@
+"""Tiny random targets and drafters built in-process (no network, seconds on a CPU)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURES = REPO.parent / "shared" / "reference" / "fixtures"
+
+
+def tiny_target(arch: str = "llama", vocab_size: int = 96, hidden_size: int = 64, layers: int = 6, seed: int = 0, **overrides):
+    from transformers import (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        LlamaConfig,
+        LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=None,
+        bos_token_id=None,
+    )
+    common.update(overrides)
+    classes = {
+        "llama": (LlamaConfig, LlamaForCausalLM, {}),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": hidden_size // 4}),
+        "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, {"head_dim": hidden_size // 4, "sliding_window": 64}),
+    }
+    config_cls, model_cls, extra = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**extra, **common})).eval()
+    model.generation_config.eos_token_id = common["eos_token_id"]
+    model.generation_config.pad_token_id = common["pad_token_id"]
+    return model
+
+
+def tiny_drafter(target, dflash2: bool = True, block_size: int = 4, layers: int = 2, seed: int = 1, randomize: bool = True, **kwargs):
+    """A head for ``target``; ``randomize`` perturbs the identity-initialised conv and selector so
+    tests exercise them (a fresh head has them as no-ops)."""
+    from hf_dflash2.training.trainer import new_drafter_for
+
+    kwargs.setdefault("selector_rank", 16)
+    kwargs.setdefault("selector_top_k", 4)
+    kwargs.setdefault("mask_token_id", 1)
+    drafter = new_drafter_for(target, num_hidden_layers=layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs)
+    if randomize and dflash2:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in drafter.named_parameters():
+                if "conv" in name or "successor_codebook" in name:
+                    param.add_(torch.randn(param.shape, generator=generator) * 0.2)
+    return drafter.eval().bind_target(target)
+
+
+@pytest.fixture
+def llama_target():
+    return tiny_target("llama")
+
+
+@pytest.fixture(autouse=True)
+def _few_threads():
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield

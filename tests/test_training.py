@@ -1,0 +1,205 @@
+"""Training: the loss learns, resume is exact, a killed run leaves a usable checkpoint, DDP matches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_dflash2.training.regenerate import RegenerationConfig, read_regenerated, regenerate
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, sample_anchors, sequence_blocks
+
+from .conftest import REPO, tiny_drafter, tiny_target
+
+
+def toy_sequences(n=8, length=40, vocab=64, seed=0):
+    """Sequences from a simple deterministic rule, so a drafter can learn them quickly."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = int(torch.randint(2, vocab, (1,), generator=generator))
+        ids = [(start + 3 * i) % (vocab - 2) + 2 for i in range(length)]
+        out.append({"input_ids": ids, "response_start": 8})
+    return out
+
+
+def make_trainer(tmp_path, steps=6, dflash2=True, **overrides):
+    target = tiny_target(vocab_size=64)
+    with torch.no_grad():  # a random tiny LM head has tiny weights; a real one's logits span tens of nats
+        target.lm_head.weight.mul_(25.0)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, randomize=False)
+    settings = dict(output_dir=str(tmp_path), steps=steps, batch_size=2, anchors_per_sequence=6, checkpoint_every=2, learning_rate=3e-3)
+    config = TrainingConfig(**{**settings, **overrides})
+    return Trainer(target, drafter, toy_sequences(), config)
+
+
+def test_blocks_and_anchors():
+    seq = {"input_ids": list(range(10, 30)), "response_start": 5}
+    anchors = sample_anchors(20, 5, 100, torch.Generator().manual_seed(0))
+    assert anchors.min() >= 5 and anchors.max() <= 18 and len(anchors) == 14
+    block_ids, labels, predecessors = sequence_blocks(seq, 4, torch.tensor([5, 17]), mask_token_id=1)
+    assert block_ids.tolist() == [[15, 1, 1, 1], [27, 1, 1, 1]]
+    assert labels.tolist() == [[16, 17, 18], [28, 29, -100]]
+    assert predecessors.tolist() == [[15, 16, 17], [27, 28, 29]]
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_loss_decreases_and_accuracy_rises(tmp_path, dflash2):
+    trainer = make_trainer(tmp_path, steps=100, dflash2=dflash2, vocab_subset="full")
+    history = trainer.train()
+    first = sum(h["loss"] for h in history[:5]) / 5
+    last = sum(h["loss"] for h in history[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    assert sum(h["top1_position1"] for h in history[-5:]) / 5 > 0.3  # chance is 1/62
+    if dflash2:
+        assert "selector_loss" in history[-1]
+
+
+def test_resume_gives_identical_weights(tmp_path):
+    full = make_trainer(tmp_path / "a", steps=6)
+    full.train()
+    interrupted = make_trainer(tmp_path / "b", steps=6)
+    interrupted.train(stop_after=3)  # checkpoint at step 2 and at the stop (step 3)
+    del interrupted
+    resumed = make_trainer(tmp_path / "b", steps=6)
+    resumed.train(resume=True)
+    assert resumed.step == 6
+    a = full.accelerator.unwrap_model(full.drafter).state_dict()
+    b = resumed.accelerator.unwrap_model(resumed.drafter).state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
+
+
+RUN_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from tests.test_training import make_trainer
+from pathlib import Path
+trainer = make_trainer(Path({out!r}), steps={steps}, checkpoint_every=1)
+trainer.train(resume=True)
+print("DONE")
+"""
+
+
+def test_kill_9_mid_run_loses_at_most_the_last_steps(tmp_path):
+    script = RUN_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "killed"), steps=40)
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    checkpoint = tmp_path / "killed" / "checkpoint.pt"
+    deadline = time.time() + 240
+    while time.time() < deadline and not checkpoint.exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert checkpoint.exists()
+    state = torch.load(checkpoint, weights_only=False)  # never torn: written to a temp name, then renamed
+    assert 1 <= state["step"] <= 40
+    leftovers = [p.name for p in (tmp_path / "killed").iterdir() if p.name != "checkpoint.pt"]
+    # a kill during the write can leave a temporary file, never a half checkpoint under the real name
+    assert all(name.startswith(".checkpoint.") for name in leftovers)
+    resumed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert "DONE" in resumed.stdout, resumed.stderr[-2000:]
+    reference = make_trainer(tmp_path / "reference", steps=40, checkpoint_every=100)
+    reference.train()
+    final = torch.load(checkpoint, weights_only=False)
+    assert final["step"] == 40
+    for name, tensor in reference.accelerator.unwrap_model(reference.drafter).state_dict().items():
+        assert torch.equal(tensor, final["drafter"][name]), name
+
+
+DDP_SCRIPT = """
+import json, sys, torch
+import torch.distributed
+sys.path.insert(0, {repo!r})
+torch.set_num_threads(1)
+from accelerate import Accelerator
+from tests.test_training import make_trainer
+from pathlib import Path
+accelerator = Accelerator(cpu=True)
+trainer = make_trainer(Path({out!r}), steps=4, checkpoint_every=100)
+trainer.config.batch_size = {batch}
+from hf_dflash2.training.trainer import Trainer
+t = Trainer(trainer.target, trainer.accelerator.unwrap_model(trainer.drafter), trainer.sequences, trainer.config, accelerator=accelerator)
+history = t.train()
+assert accelerator.num_processes == {processes}, accelerator.num_processes
+if accelerator.is_main_process:
+    print("LOSSES", json.dumps([h["loss"] for h in history]))
+"""
+
+
+def test_two_process_ddp_matches_one_process_same_global_batch(tmp_path):
+    """Two gloo processes with 1 sequence each == one process with 2 sequences, within 1e-4 relative."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = subprocess.run([sys.executable, "-c", DDP_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "one"), batch=2, processes=1)],
+                            capture_output=True, text=True, timeout=600, env=env)
+    assert "LOSSES" in single.stdout, single.stderr[-2000:]
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "two"), batch=1, processes=2))
+    # torchrun is the launcher `accelerate launch --multi_gpu` drives; accelerate's own multi-CPU mode needs mpirun.
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", str(script)]
+    double = subprocess.run(launcher, capture_output=True, text=True, timeout=600, env=env)
+    assert "LOSSES" in double.stdout, double.stderr[-3000:]
+    one = json.loads(single.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])
+    two = json.loads(double.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert abs(a - b) <= 1e-4 * abs(a), (one, two)
+    assert one[0] != one[-1]  # steps really changed the weights
+
+
+class FakeTokenizer:
+    pad_token_id = 0
+    eos_token_id = 5
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [10 + (ord(c) % 50) for c in messages[0]["content"]][:20]
+
+
+def test_regeneration_is_resumable_and_repairs_a_torn_line(tmp_path):
+    target = tiny_target(vocab_size=64)
+    target.generation_config.eos_token_id = 5
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (i % 3 + 1)}]} for i in range(7)]
+    out = tmp_path / "regen.jsonl"
+    config = RegenerationConfig(batch_size=3, max_new_tokens=6)
+    regenerate(target, FakeTokenizer(), prompts, out, config, max_records=4)
+    first = read_regenerated(out)
+    assert len(first) == 4 and all(1 <= len(r["response_ids"]) <= 6 for r in first)
+    with open(out, "a") as handle:
+        handle.write('{"id": "torn", "prompt_ids": [1, 2')  # a crash in the middle of a write
+    regenerate(target, FakeTokenizer(), prompts, out, config)
+    records = read_regenerated(out)
+    assert sorted(r["id"] for r in records) == sorted(p["id"] for p in prompts)
+    assert records[:4] == first  # finished work is kept, not redone
+    assert all(json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
+    from hf_dflash2.assets import iter_json_array, load_sharegpt_prompts
+
+    records = [
+        {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"id": "b", "conversations": []},
+        {"id": "c", "conversations": [{"from": "gpt", "value": "first"}]},
+        {"id": "d", "conversations": [{"from": "human", "value": "   "}]},
+    ]
+    text = json.dumps(records)[:-1] + ', {"id": "e", "conversations": [{"from": "hu'
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text)
+    prompts, report = load_sharegpt_prompts(path)
+    assert [p["id"] for p in prompts] == ["a"]
+    assert report.skipped == {
+        "conversation with no turns": 1,
+        "conversation not opened by a human": 1,
+        "empty first turn": 1,
+        "truncated record at end of file": 1,
+    }
+    assert "loaded 1" in str(report)
