@@ -272,3 +272,31 @@ def test_generate_without_our_assistant_is_untouched(setup):
     ref = plain(target, ids, 12)
     assert torch.equal(target.generate(ids, assistant_model=small, max_new_tokens=12, do_sample=False), ref)
     assert torch.equal(target.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=12, do_sample=False), ref)
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_draft_vocabulary_restricts_proposals_and_stays_lossless(tmp_path, dflash2):
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=5)
+    allowed = torch.arange(10, 40)
+    drafter.set_draft_vocab(allowed)
+    ids = torch.randint(2, 64, (2, 6), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        out = target(ids, output_hidden_states=True)
+        from hf_dflash2.speculative_dflash2 import tapped_features
+
+        positions = torch.arange(6)[None].expand(2, -1)
+        kv = drafter.context_kv(drafter.project_context(tapped_features(out.hidden_states, drafter.config.target_layer_ids)), positions)
+        for temperature in (0.0, 1.0):
+            draft = drafter.draft_block(ids[:, -1], torch.tensor([6, 6]), kv, torch.ones(2, 6, dtype=torch.bool), positions, temperature)
+            assert ((draft.tokens >= 10) & (draft.tokens < 40)).all()
+            assert draft.logits.shape[-1] == 30
+    for row in range(2):
+        assert torch.equal(speculative_generate(target, drafter, ids[row:row + 1], max_new_tokens=12).sequences, plain(target, ids[row:row + 1], 12))
+    drafter.save_pretrained(tmp_path / "head")
+    from hf_dflash2 import DFlash2DraftModel
+
+    loaded = DFlash2DraftModel.from_pretrained(tmp_path / "head")
+    assert torch.equal(loaded.draft_vocab, allowed)
+    with pytest.raises(ValueError, match="draft vocabulary ids must lie in"):
+        drafter.set_draft_vocab([3, 64])

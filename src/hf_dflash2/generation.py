@@ -87,11 +87,14 @@ def speculative_generate(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     block_size: int | None = None,
+    streamer=None,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
     input_ids / attention_mask: [N, P], left-padded for N > 1. Greedy by default; ``do_sample`` with
     ``temperature`` / ``top_k`` / ``top_p`` uses lossless speculative sampling with the drafter's q.
+    ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
+    prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     """
     block_size = block_size or drafter.config.block_size
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
@@ -104,6 +107,8 @@ def speculative_generate(
     if isinstance(pad_token_id, list):
         pad_token_id = pad_token_id[0]
     stats = SpeculativeStats(block_size)
+    if streamer is not None and n_rows != 1:
+        raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
     if max_new_tokens == 0:
         return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats)
 
@@ -141,6 +146,9 @@ def speculative_generate(
     generated[:, 0] = anchor
     num_generated = torch.ones(n_rows, dtype=torch.long, device=device)
     finished = torch.isin(anchor, eos) | (num_generated >= max_new_tokens)
+    if streamer is not None:
+        streamer.put(input_ids[0].cpu())
+        streamer.put(anchor.cpu())
     rows = torch.arange(n_rows, device=device)  # batch row -> output row
     offsets = torch.arange(block_size, device=device)
 
@@ -186,6 +194,8 @@ def speculative_generate(
         write_at = num_generated[rows][:, None] + offsets
         current = generated[rows[:, None], write_at]
         generated[rows[:, None], write_at] = torch.where(offsets[None] < count[:, None], tokens, current)
+        if streamer is not None:
+            streamer.put(tokens[0, : int(count[0])].cpu())
         num_generated[rows] += count
         finished = is_eos.any(-1) | (num_generated[rows] >= max_new_tokens)
 
@@ -207,5 +217,7 @@ def speculative_generate(
             draft_kv = [(k[:, :, :-crop], v[:, :, :-crop]) for k, v in draft_kv]
             slot_valid, slot_pos = slot_valid[:, :-crop], slot_pos[:, :-crop]
 
+    if streamer is not None:
+        streamer.end()
     width = int(num_generated.max())
     return SpeculativeOutput(torch.cat([input_ids, generated[:, :width]], dim=1), num_generated, stats)

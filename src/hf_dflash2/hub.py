@@ -36,6 +36,9 @@ def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> 
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         model.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a published head is world-readable
+        for path in tmp.iterdir():
+            os.chmod(path, 0o644)
         keep = {"README.md"}
         if folder.exists():
             for name in keep:
@@ -68,3 +71,227 @@ def is_head_folder(folder: str | Path) -> tuple[bool, str]:
     if "dflash_config" not in config:
         return False, f"{folder}/config.json has no dflash_config: not a DFlash head"
     return True, ""
+
+
+# ----------------------------------------------------------------------------------------- model card
+
+MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "dflash2_head.md"
+DEFAULT_CARD_DATASETS = ("sharegpt",)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {path}: {error}") from error
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return value
+
+
+def _load_results(results) -> dict | None:
+    """``results`` as a dict: given as one, or as the path of a benchmark JSON."""
+    if results is None or isinstance(results, dict):
+        return results
+    return _read_json(Path(results))
+
+
+def _yaml_scalar(value) -> str:
+    """A YAML-safe scalar (JSON strings are valid YAML flow scalars)."""
+    text = str(value)
+    if text and all(c.isalnum() or c in "-_./" for c in text) and text[0] not in "-.":
+        return text
+    return json.dumps(text)
+
+
+def _fmt_number(value, digits: int = 2) -> str:
+    if isinstance(value, bool) or value is None:
+        return "–"
+    if isinstance(value, (int, float)):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _results_section(results: dict | None) -> str:
+    if not results or not results.get("datasets"):
+        return "No measured acceptance length yet: run `hf-dflash2 bench` and push again with `--results`."
+    rows = [
+        "| dataset | τ (mean accepted tokens per round) | speedup | per-position acceptance |",
+        "|---|---|---|---|",
+    ]
+    for name, entry in results["datasets"].items():
+        entry = entry if isinstance(entry, dict) else {"tau": entry}
+        per_position = entry.get("per_position_acceptance") or []
+        per_position = ", ".join(_fmt_number(p) for p in per_position) if per_position else "–"
+        speedup = entry.get("speedup")
+        speedup = f"{_fmt_number(speedup)}×" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else "–"
+        rows.append(f"| {name} | {_fmt_number(entry.get('tau'))} | {speedup} | {per_position} |")
+    lines = ["\n".join(rows)]
+    details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
+    if details:
+        lines.append("Measured with " + ", ".join(details) + ".")
+    if results.get("command"):
+        lines.append(f"Command:\n\n```bash\n{results['command']}\n```")
+    return "\n\n".join(lines)
+
+
+def _recipe_section(head_folder: Path) -> str:
+    path = head_folder / "training_recipe.json"
+    if not path.exists():
+        return "No `training_recipe.json` was saved with this head."
+    recipe = _read_json(path)
+    lines = []
+    for key, value in recipe.items():
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value)
+        lines.append(f"- **{key}**: `{value}`")
+    return "\n".join(lines) if lines else "`training_recipe.json` is empty."
+
+
+def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
+    if results:
+        for key in ("train_datasets", "training_datasets"):
+            if isinstance(results.get(key), list) and results[key]:
+                return [str(d) for d in results[key]]
+        if isinstance(results.get("datasets"), dict) and results["datasets"]:
+            return [str(d) for d in results["datasets"]]
+    recipe = head_folder / "training_recipe.json"
+    if recipe.exists():
+        datasets = _read_json(recipe).get("datasets")
+        if isinstance(datasets, list) and datasets:
+            return [str(d) for d in datasets]
+    return list(DEFAULT_CARD_DATASETS)
+
+
+def render_model_card(
+    head_folder: str | Path,
+    repo_id: str,
+    results: dict | str | Path | None = None,
+    template: str | Path | None = None,
+    base_model: str | None = None,
+) -> str:
+    """The README.md of a head pushed as ``repo_id``: YAML metadata, usage, serving, τ table, recipe.
+
+    ``base_model`` comes from the head's ``config.json`` field ``"base_model"``, else the argument, else
+    ``"unknown"``. ``results`` is a benchmark JSON (dict or path) shaped like
+    ``{"datasets": {"humaneval": {"tau": 2.1, "per_position_acceptance": [...], "speedup": 1.3}}, "command": "..."}``.
+    ``template`` is a path (or the text) of a ``string.Template`` file; default ``model_cards/dflash2_head.md``.
+    """
+    from string import Template
+
+    head_folder = Path(head_folder)
+    config = _read_json(head_folder / "config.json")
+    results = _load_results(results)
+    if template is None:
+        if not MODEL_CARD_TEMPLATE.exists():
+            raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} is missing: pass template=")
+        text = MODEL_CARD_TEMPLATE.read_text(encoding="utf-8")
+    elif isinstance(template, str) and "\n" in template:
+        text = template
+    else:
+        text = Path(template).read_text(encoding="utf-8")
+
+    base = config.get("base_model") or base_model or "unknown"
+    dflash = config.get("dflash_config") or {}
+    block_size = int(dflash.get("block_size", 16))
+    dflash2 = bool(dflash.get("conv_kernel_size") or dflash.get("selector_rank"))
+    values = {
+        "base_model": _yaml_scalar(base),
+        "target_model": base if base != "unknown" else "YOUR_TARGET_MODEL",
+        "base_model_ref": f"[`{base}`](https://huggingface.co/{base})" if base != "unknown" else "its target model",
+        "repo_id": repo_id,
+        "title": repo_id.split("/")[-1],
+        "variant": "dFlash 2" if dflash2 else "DFlash",
+        "datasets_yaml": "\n".join(f"- {_yaml_scalar(d)}" for d in _card_datasets(results, head_folder)),
+        "block_size": block_size,
+        "num_speculative_tokens": block_size - 1,
+        "target_layer_ids": ", ".join(str(i) for i in dflash.get("target_layer_ids", [])) or "–",
+        "num_hidden_layers": config.get("num_hidden_layers", "–"),
+        "hidden_size": config.get("hidden_size", "–"),
+        "results_section": _results_section(results),
+        "recipe_section": _recipe_section(head_folder),
+    }
+    return Template(text).substitute(values)
+
+
+# ----------------------------------------------------------------------------------------- push
+
+
+def _link_tree(source: Path, destination: Path) -> None:
+    """Mirror ``source`` into ``destination`` with symlinks (copies where links are not allowed)."""
+    for path in sorted(source.rglob("*")):
+        relative = path.relative_to(source)
+        if relative.parts[0] in (".git", ".cache") or not path.is_file():
+            continue
+        if relative.as_posix() == "README.md":
+            continue  # replaced by the rendered card
+        target = destination / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.symlink(path.resolve(), target)
+        except OSError:
+            shutil.copy2(path, target)
+
+
+def push_head(
+    head_folder: str | Path,
+    repo_id: str,
+    token: str | None = None,
+    private: bool = False,
+    revision: str | None = None,
+    create_pr: bool = False,
+    results: dict | str | Path | None = None,
+    endpoint: str | None = None,
+    base_model: str | None = None,
+    commit_message: str | None = None,
+) -> str:
+    """Upload a head folder (weights, config, remote code) plus a rendered model card to the Hub.
+
+    Everything is checked before the first request: the folder, the repo id, the token. The card is
+    written into a temporary mirror of the folder, never into ``head_folder`` itself. Returns the commit
+    URL (the pull-request URL with ``create_pr``). Raises ``ValueError`` for bad input and
+    ``RuntimeError`` when the Hub refuses or fails the upload.
+    """
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    head_folder = Path(head_folder)
+    ok, reason = is_head_folder(head_folder)
+    if not ok:
+        raise ValueError(reason)
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"invalid repo id {repo_id!r}: {error}") from None
+    if create_pr and revision not in (None, "main"):
+        raise ValueError("--create-pr opens the pull request against the default branch: do not combine it with --revision")
+    if token is None:
+        try:
+            token = huggingface_hub.get_token()
+        except Exception as error:  # e.g. a failed OIDC exchange
+            raise ValueError(f"no usable Hugging Face token: {type(error).__name__}") from None
+    if not token:
+        raise ValueError("no Hugging Face token: set HF_TOKEN or run `hf auth login`")
+    results = _load_results(results)
+    card = render_model_card(head_folder, repo_id, results=results, base_model=base_model)
+
+    api = huggingface_hub.HfApi(endpoint=endpoint, token=token)
+    with tempfile.TemporaryDirectory(prefix="hf-dflash2-push-") as tmp:
+        staging = Path(tmp) / head_folder.name
+        staging.mkdir()
+        _link_tree(head_folder, staging)
+        (staging / "README.md").write_text(card, encoding="utf-8")
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.upload_folder(
+                folder_path=staging,
+                repo_id=repo_id,
+                revision=revision,
+                create_pr=create_pr,
+                commit_message=commit_message or "Upload DFlash drafter head with hf-dflash2",
+            )
+        except Exception as error:
+            message = str(error).replace(token, "***")
+            raise RuntimeError(f"upload of {head_folder} to {repo_id} failed: {message}") from error
+    url = (info.pr_url if create_pr else None) or info.commit_url or info.oid
+    return str(url)

@@ -238,6 +238,8 @@ class Trainer:
             "python_rng": random.getstate(),
             "history": self.history,
             "config": asdict(self.config),
+            "drafter_config": self.accelerator.unwrap_model(self.drafter).config.to_dict(),
+            "vocab_subset": None if self.vocab_subset is None else self.vocab_subset.tolist(),
         }
         fd, tmp = tempfile.mkstemp(dir=self.output_dir, prefix=".checkpoint.")
         with os.fdopen(fd, "wb") as handle:
@@ -264,7 +266,9 @@ class Trainer:
         """A Hub-ready head folder (safetensors, config, remote code), written next to and renamed in."""
         from ..hub import save_head
 
-        return save_head(self.accelerator.unwrap_model(self.drafter), folder)
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        drafter.set_draft_vocab(self.vocab_subset)
+        return save_head(drafter, folder)
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
@@ -272,6 +276,7 @@ class Trainer:
         from ..generation import speculative_generate
 
         drafter = self.accelerator.unwrap_model(self.drafter).eval()
+        drafter.set_draft_vocab(self.vocab_subset)  # draft over what was trained, as the saved head will
         stats = None
         for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
             ids = torch.tensor([prompt_ids], device=self.accelerator.device)

@@ -1,0 +1,345 @@
+"""``hf-dflash2 bench``: every decoding method on the same prompts, interleaved, in one process.
+
+Methods (a method that cannot run in a configuration is skipped and the reason recorded):
+
+- ``ar``: plain ``generate`` (greedy, or sampling at T > 0), batch 1 or a left-padded batch;
+- ``dflash2_generate``: ``target.generate(assistant_model=dflash2_head)`` (batch 1);
+- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch);
+- ``dflash1_fast``: the fast loop with the DFlash-1 head trained on the same budget;
+- ``prompt_lookup``: Transformers' prompt-lookup decoding (batch 1, greedy);
+- ``native_dflash``: Transformers' own ``speculation_type="dflash"`` path with the DFlash-1 head's
+  weights mapped into its ``MuseGlimmerAssistantModel`` (batch 1).
+
+Per method and prompt set: tau (mean tokens per target forward) and per-position acceptance, tokens/s
+(median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), and the
+spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-dflash2"
+DEFAULT_DFLASH1_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-dflash1"
+ALL_METHODS = ["ar", "dflash2_generate", "dflash2_fast", "dflash1_fast", "prompt_lookup", "native_dflash"]
+
+
+def load_head(folder, target):
+    from .modeling_dflash2 import DFlash2DraftModel
+
+    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=next(target.parameters()).dtype).eval()
+    return drafter.bind_target(target)
+
+
+def check_head_matches_target(folder, target) -> None:
+    """A head trained for another target is refused before any benchmark work."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    text = target.config.get_text_config()
+    for field, mine in (("hidden_size", text.hidden_size), ("vocab_size", text.vocab_size), ("num_target_layers", text.num_hidden_layers)):
+        if field in config and config[field] != mine:
+            raise ValueError(f"head {folder} has {field}={config[field]} but the benchmark's target has {mine}")
+
+
+def to_native_dflash(drafter):
+    """Map a DFlash-1 head into Transformers' native DFlash assistant, or raise if it does not map."""
+    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import MuseGlimmerAssistantConfig
+    from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
+
+    cfg = drafter.config
+    if cfg.use_conv or cfg.use_selector:
+        raise ValueError("the native path has no conv and no selector: only DFlash-1 heads map")
+    native_cfg = MuseGlimmerAssistantConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        rms_norm_eps=cfg.rms_norm_eps,
+        max_position_embeddings=cfg.max_position_embeddings,
+        sliding_window=cfg.sliding_window or cfg.max_position_embeddings,
+        layer_types=list(cfg.layer_types),
+        rope_parameters=dict(cfg.rope_parameters),
+        block_size=cfg.block_size,
+        mask_token_id=cfg.mask_token_id,
+        target_layer_ids=cfg.target_layer_ids,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    native = MuseGlimmerAssistantModel(native_cfg).to(drafter.dtype).eval()
+    renamed = {}
+    for name, tensor in drafter.state_dict().items():
+        name = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}.get(name, name)
+        renamed[name] = tensor
+    missing, unexpected = native.load_state_dict(renamed, strict=False)
+    missing = [m for m in missing if "rotary" not in m]
+    if missing or unexpected:
+        raise ValueError(f"weights do not map: missing {missing}, unexpected {unexpected}")
+    return native
+
+
+def encode(tokenizer, prompt, device):
+    ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return torch.tensor([list(ids)], device=device)
+
+
+def left_pad(rows: list[torch.Tensor], pad_id: int):
+    width = max(r.shape[1] for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - r.shape[1] :] = r[0]
+        mask[i, width - r.shape[1] :] = 1
+    return ids, mask
+
+
+class Runner:
+    """Runs one method on one batch of prompts; returns generated token count, wall time, stats."""
+
+    def __init__(self, target, tokenizer, heads: dict, max_new_tokens: int, temperature: float):
+        self.target, self.tokenizer, self.heads = target, tokenizer, heads
+        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.sample = temperature > 0
+        self.eos = target.generation_config.eos_token_id
+        self.pad = tokenizer.pad_token_id
+        self._native = None
+
+    def sampling_kwargs(self):
+        if self.sample:
+            return {"do_sample": True, "temperature": self.temperature, "top_k": None, "top_p": None}
+        return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+
+    def supports(self, method: str, batch: int) -> str | None:
+        """None if the method can run here, else why not."""
+        if method in ("dflash2_generate", "dflash2_fast") and "dflash2" not in self.heads:
+            return "no dFlash 2 head"
+        if method in ("dflash1_fast", "native_dflash") and "dflash1" not in self.heads:
+            return "no DFlash-1 head"
+        if batch > 1 and method in ("dflash2_generate", "prompt_lookup", "native_dflash"):
+            return "Transformers' assisted loop runs at batch size 1 only"
+        if self.sample and method == "prompt_lookup":
+            return "prompt lookup has no proposal distribution for lossless sampling"
+        if method == "native_dflash":
+            if self._native is None:
+                try:
+                    self._native = to_native_dflash(self.heads["dflash1"])
+                except Exception as error:  # recorded in the report, not fatal
+                    self._native = error
+            if isinstance(self._native, Exception):
+                return f"DFlash-1 weights do not map into the native assistant: {self._native}"
+        return None
+
+    @torch.no_grad()
+    def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor):
+        from .generation import speculative_generate
+
+        n = self.max_new_tokens
+        common = dict(max_new_tokens=n, pad_token_id=self.pad, **self.sampling_kwargs())
+        stats = None
+        started = time.perf_counter()
+        if method == "ar":
+            out = self.target.generate(ids, attention_mask=mask, **common)
+            generated = (out[:, ids.shape[1] :] != self.pad).sum().item() if ids.shape[0] > 1 else out.shape[1] - ids.shape[1]
+        elif method in ("dflash2_fast", "dflash1_fast"):
+            head = self.heads["dflash2" if method == "dflash2_fast" else "dflash1"]
+            result = speculative_generate(
+                self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
+                temperature=self.temperature or 1.0, pad_token_id=self.pad,
+            )
+            generated, stats = int(result.num_generated.sum()), result.stats
+        elif method == "dflash2_generate":
+            head = self.heads["dflash2"]
+            out = self.target.generate(ids, attention_mask=mask, assistant_model=head, **common)
+            generated, stats = out.shape[1] - ids.shape[1], head.last_speculative_stats
+        elif method == "prompt_lookup":
+            out = self.target.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=10, **common)
+            generated = out.shape[1] - ids.shape[1]
+        elif method == "native_dflash":
+            out = self.target.generate(ids, attention_mask=mask, assistant_model=self._native, speculation_type="dflash", **common)
+            generated = out.shape[1] - ids.shape[1]
+        else:
+            raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+        return generated, time.perf_counter() - started, stats
+
+
+def run_benchmark(args) -> dict:
+    from .assets import load_prompt_set, load_target
+
+    torch.manual_seed(args.seed)
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(ALL_METHODS))
+    if unknown:
+        raise ValueError(f"unknown methods {unknown}; choose from {ALL_METHODS}")
+    heads_paths = {}
+    if args.head and Path(args.head).exists():
+        heads_paths["dflash2"] = args.head
+    if args.dflash1_head and Path(args.dflash1_head).exists():
+        heads_paths["dflash1"] = args.dflash1_head
+    datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
+    target, tokenizer = load_target(args.target, args.gguf_file)
+    for folder in heads_paths.values():
+        check_head_matches_target(folder, target)
+    heads = {name: load_head(folder, target) for name, folder in heads_paths.items()}
+    runner = Runner(target, tokenizer, heads, args.max_new_tokens, args.temperature)
+    report = {
+        "command": args.command_line,
+        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+                    "threads": torch.get_num_threads(), "device": str(target.device)},
+        "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "batch_size", "methods")},
+        "heads": heads_paths,
+        "skipped": {},
+        "datasets": {},
+    }
+    for method in methods:
+        reason = runner.supports(method, args.batch_size)
+        if reason:
+            report["skipped"][method] = reason
+    active = [m for m in methods if m not in report["skipped"]]
+    total = sum(-(-len(p) // args.batch_size) for p in datasets.values()) * len(active)
+    progress = tqdm(total=total, desc="bench", unit="run")
+    for name, prompts in datasets.items():
+        per_method = {m: {"tokens": [], "seconds": []} for m in active}
+        for start in range(0, len(prompts), args.batch_size):
+            rows = [encode(tokenizer, p, target.device) for p in prompts[start : start + args.batch_size]]
+            ids, mask = left_pad(rows, tokenizer.pad_token_id)
+            for method in active:  # interleaved: every method on this prompt before the next prompt
+                generated, seconds, stats = runner.run(method, ids, mask)
+                per_method[method]["tokens"].append(generated)
+                per_method[method]["seconds"].append(seconds)
+                if stats is not None:
+                    per_method[method].setdefault("stats_list", []).append(stats.as_dict())
+                progress.update(1)
+        report["datasets"][name] = summarize(per_method)
+    progress.close()
+    return report
+
+
+def summarize(per_method: dict) -> dict:
+    out = {}
+    ar_spt = None
+    if "ar" in per_method:
+        ar = per_method["ar"]
+        ar_spt = statistics.median(s / max(t, 1) for s, t in zip(ar["seconds"], ar["tokens"]))
+    for method, data in per_method.items():
+        seconds_per_token = [s / max(t, 1) for s, t in zip(data["seconds"], data["tokens"])]
+        entry = {
+            "prompts": len(data["seconds"]),
+            "tokens_per_s_median": statistics.median(t / s for s, t in zip(data["seconds"], data["tokens"])),
+            "seconds_per_prompt_median": statistics.median(data["seconds"]),
+            "seconds_per_prompt_min": min(data["seconds"]),
+            "seconds_per_prompt_max": max(data["seconds"]),
+            "tokens_total": sum(data["tokens"]),
+        }
+        if ar_spt is not None:
+            entry["speedup_vs_ar"] = ar_spt / statistics.median(seconds_per_token)
+        stats_list = data.get("stats_list")
+        if stats_list:
+            rounds = sum(s["rounds"] for s in stats_list)
+            committed = sum(s["committed"] for s in stats_list)
+            width = max(len(s["accepted_histogram"]) for s in stats_list)
+            histogram = [sum(s["accepted_histogram"][k] if k < len(s["accepted_histogram"]) else 0 for s in stats_list) for k in range(width)]
+            reached, rates = sum(histogram), []
+            for k in range(width - 1):
+                passed = sum(histogram[k + 1 :])
+                if reached == 0:
+                    break
+                rates.append(passed / reached)
+                reached = passed
+            entry["tau"] = committed / rounds if rounds else None
+            entry["per_position_acceptance"] = rates
+        out[method] = entry
+    return out
+
+
+def markdown_table(report: dict) -> str:
+    lines = []
+    for name, methods in report["datasets"].items():
+        lines.append(f"**{name}** ({next(iter(methods.values()))['prompts']} prompts, batch {report['settings']['batch_size']}, "
+                     f"T={report['settings']['temperature']}, max {report['settings']['max_new_tokens']} new tokens)\n")
+        lines.append("| method | tau | tokens/s (median) | speedup vs AR | s/prompt median [min, max] | acceptance pos 1..4 |")
+        lines.append("|---|---|---|---|---|---|")
+        for method, e in methods.items():
+            tau = f"{e['tau']:.2f}" if e.get("tau") else "-"
+            speed = f"{e['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in e else "-"
+            accept = ", ".join(f"{a:.2f}" for a in (e.get("per_position_acceptance") or [])[:4]) or "-"
+            lines.append(f"| {method} | {tau} | {e['tokens_per_s_median']:.1f} | {speed} | "
+                         f"{e['seconds_per_prompt_median']:.2f} [{e['seconds_per_prompt_min']:.2f}, {e['seconds_per_prompt_max']:.2f}] | {accept} |")
+        lines.append("")
+    if report["skipped"]:
+        lines.append("Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in report["skipped"].items()))
+    lines.append(f"\nCommand: `{report['command']}`")
+    return "\n".join(lines) + "\n"
+
+
+def draw_chart(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["datasets"])
+    methods = list(next(iter(report["datasets"].values())))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        taus = [report["datasets"][n][method].get("tau") or 0 for n in names]
+        speed = [report["datasets"][n][method].get("speedup_vs_ar", 0) for n in names]
+        xs = [j + i * width for j in range(len(names))]
+        axes[0].bar(xs, taus, width, label=method)
+        axes[1].bar(xs, speed, width, label=method)
+    for ax, title in zip(axes, ["acceptance length tau", "speedup over plain AR"]):
+        ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(names))], names)
+        ax.set_title(title)
+    axes[1].axhline(1.0, color="grey", lw=0.8)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"SmolLM2-135M-Instruct, batch {report['settings']['batch_size']}, T={report['settings']['temperature']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_bench(args) -> int:
+    import sys
+
+    args.command_line = "hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv and "hf-dflash2" in sys.argv[0] else args.command_line
+    if args.limit is not None and args.limit < 1:
+        raise SystemExit(f"--limit must be >= 1, got {args.limit}")
+    report = run_benchmark(args)
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_b{args.batch_size}_t{args.temperature:g}"
+    (output / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    table = markdown_table(report)
+    (output / f"{stem}.md").write_text(table)
+    draw_chart(report, output / f"{stem}.png")
+    print(table)
+    return 0
+
+
+def register(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="benchmark decoding methods on MT-Bench / HumanEval prompts")
+    bench.add_argument("--target", default=None)
+    bench.add_argument("--gguf-file", default=None)
+    bench.add_argument("--head", default=str(DEFAULT_HEAD), help="dFlash 2 head folder")
+    bench.add_argument("--dflash1-head", default=str(DEFAULT_DFLASH1_HEAD), help="DFlash-1 head folder (same budget)")
+    bench.add_argument("--sets", default="mtbench,humaneval")
+    bench.add_argument("--limit", type=int, default=10)
+    bench.add_argument("--max-new-tokens", type=int, default=256)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--methods", default=",".join(ALL_METHODS))
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--output", default="benchmarks/results")
+    bench.set_defaults(func=cmd_bench, command_line="hf-dflash2 bench")

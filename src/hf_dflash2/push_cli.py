@@ -1,0 +1,44 @@
+"""``hf-dflash2 push HEAD_FOLDER REPO_ID``: upload a head with a generated model card."""
+
+from __future__ import annotations
+
+import sys
+
+
+def cmd_push(args) -> int:
+    from .hub import push_head
+
+    try:
+        url = push_head(
+            args.head_folder,
+            args.repo_id,
+            private=args.private,
+            revision=args.revision,
+            create_pr=args.create_pr,
+            results=args.results,
+            endpoint=args.endpoint,
+            base_model=args.base_model,
+        )
+    except (ValueError, RuntimeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(url)
+    return 0
+
+
+def register(subparsers) -> None:
+    push = subparsers.add_parser(
+        "push",
+        help="upload a head folder (weights, config, remote code, model card) to the Hugging Face Hub",
+        description="Upload a head folder written by `hf-dflash2 train` / save_head to the Hub, with a generated "
+        "README.md (the folder on disk is left unchanged). The token comes from HF_TOKEN or `hf auth login`.",
+    )
+    push.add_argument("head_folder", metavar="HEAD_FOLDER", help="folder with config.json and model.safetensors")
+    push.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. your-name/Qwen3-8B-dflash2")
+    push.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
+    push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
+    push.add_argument("--results", default=None, metavar="PATH", help="benchmark JSON for the card's acceptance-length table")
+    push.add_argument("--base-model", default=None, help="target model id for the card, if config.json has no base_model")
+    push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    push.set_defaults(func=cmd_push)

@@ -1,0 +1,118 @@
+"""Turn a training run's checkpoint into a committed, Hub-ready head (bf16 safetensors + remote code).
+
+    python -m hf_dflash2.training.export RUN_DIR HEAD_DIR [--step N]
+
+``--step`` refuses a checkpoint at another step, so two heads compared "at the same budget" really are.
+The run's settings and loss history go to ``training_recipe.json`` beside the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def export_head(
+    run_dir: str | Path, head_dir: str | Path, step: int | None = None, base_model: str | None = None,
+    fallback: dict | None = None, data_path: str | None = None, max_sequences: int | None = None,
+) -> Path:
+    from ..assets import load_target
+    from ..hub import save_head
+    from .trainer import new_drafter_for
+
+    run_dir = Path(run_dir)
+    checkpoint = run_dir / "checkpoint.pt"
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"{checkpoint} does not exist: train first")
+    state = torch.load(checkpoint, map_location="cpu", weights_only=False)
+    if step is not None and state["step"] != step:
+        raise ValueError(f"{checkpoint} is at step {state['step']}, not the requested step {step}")
+    config = state["config"]
+    target, _ = load_target()
+    drafter = _drafter_from_state(target, state, fallback or {})
+    drafter.load_state_dict(state["drafter"])
+    if config["vocab_subset"] == "data":
+        drafter.set_draft_vocab(_data_vocab(state, data_path, config, max_sequences))
+    drafter.config.base_model = base_model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    folder = save_head(drafter, head_dir, dtype=torch.bfloat16)
+    recipe = {
+        "steps": state["step"],
+        "planned_steps": config["steps"],
+        "sequences_per_step": config["batch_size"],
+        "anchors_per_sequence": config["anchors_per_sequence"],
+        "learning_rate": config["learning_rate"],
+        "warmup_ratio": config["warmup_ratio"],
+        "grad_clip": config["grad_clip"],
+        "selector_weight": config["selector_weight"],
+        "vocab_subset": config["vocab_subset"],
+        "seed": config["seed"],
+        "data": "SmolLM2-135M-Instruct's own greedy responses to ShareGPT first turns (regenerated)",
+        "final_loss_mean_last_25": sum(h["loss"] for h in state["history"][-25:]) / max(1, len(state["history"][-25:])),
+    }
+    (folder / "training_recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
+    (folder / "training_history.json").write_text(json.dumps(state["history"]) + "\n")
+    return folder
+
+
+def _data_vocab(state, data_path, config, max_sequences=None) -> list[int]:
+    """The token ids the head was trained to rank (the trainer's vocab subset)."""
+    if "vocab_subset" in state:
+        return state["vocab_subset"]
+    if data_path is None:
+        raise ValueError("this checkpoint does not record its vocab subset: pass --data (and --max-sequences)")
+    from .trainer import load_sequences
+
+    sequences = load_sequences(data_path, config["max_length"])[:max_sequences]
+    return sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
+
+
+def _drafter_from_state(target, state, fallback: dict):
+    """Rebuild the head's architecture from the tensor shapes in the checkpoint."""
+    from .trainer import new_drafter_for
+
+    tensors = state["drafter"]
+    layers = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("layers."))
+    dflash2 = "candidate_selector.successor_codebook" in tensors
+    taps = tensors["fc.weight"].shape[1] // tensors["fc.weight"].shape[0]
+    kwargs = {}
+    if dflash2:
+        kwargs["selector_rank"] = tensors["candidate_selector.successor_codebook"].shape[1]
+    recorded = state.get("drafter_config") or ({"dflash_config": fallback} if fallback else None)
+    if recorded:
+        dflash = recorded["dflash_config"]
+        kwargs["target_layer_ids"] = dflash["target_layer_ids"]
+        kwargs["mask_token_id"] = dflash["mask_token_id"]
+        kwargs["block_size"] = dflash["block_size"]
+        if dflash2:
+            kwargs["selector_top_k"] = dflash.get("selector_top_k", 16)
+    else:
+        raise ValueError("checkpoint has no drafter_config: pass --target-layer-ids, --mask-token-id and --block-size")
+    drafter = new_drafter_for(target, num_hidden_layers=layers, dflash2=dflash2, **kwargs)
+    assert len(drafter.config.target_layer_ids) == taps
+    return drafter
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir")
+    parser.add_argument("head_dir")
+    parser.add_argument("--step", type=int, default=None)
+    parser.add_argument("--target-layer-ids", default=None, help="only for checkpoints without drafter_config")
+    parser.add_argument("--mask-token-id", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--data", default=None, help="training data, for checkpoints that do not record their vocab subset")
+    parser.add_argument("--max-sequences", type=int, default=None)
+    args = parser.parse_args(argv)
+    fallback = None
+    if args.target_layer_ids:
+        fallback = {"target_layer_ids": [int(i) for i in args.target_layer_ids.split(",")], "mask_token_id": args.mask_token_id,
+                    "block_size": args.block_size, "selector_top_k": 16}
+    print(export_head(args.run_dir, args.head_dir, args.step, fallback=fallback, data_path=args.data, max_sequences=args.max_sequences))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
