@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from hf_dflash2 import DFlash2Config, DFlash2DraftModel
+from hf_dflash2 import DFlash2Config
 
 from .conftest import tiny_drafter, tiny_target
 

@@ -7,9 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,7 +181,7 @@ def test_regeneration_is_resumable_and_repairs_a_torn_line(tmp_path):
 
 
 def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
-    from hf_dflash2.assets import iter_json_array, load_sharegpt_prompts
+    from hf_dflash2.assets import load_sharegpt_prompts
 
     records = [
         {"id": "a", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},

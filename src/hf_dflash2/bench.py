@@ -17,7 +17,6 @@ spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``-
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -261,6 +260,27 @@ def summarize(per_method: dict) -> dict:
             entry["per_position_acceptance"] = rates
         out[method] = entry
     return out
+
+
+def card_results(report: dict, method: str) -> dict:
+    """The model card's results block for one method of a bench report."""
+    datasets = {}
+    for name, methods in report["datasets"].items():
+        if method in methods:
+            entry = methods[method]
+            datasets[name] = {"tau": entry.get("tau"), "per_position_acceptance": (entry.get("per_position_acceptance") or [])[:8],
+                              "speedup": entry.get("speedup_vs_ar")}
+    if not datasets:
+        raise ValueError(f"method {method!r} is not in this report (methods: {sorted(next(iter(report['datasets'].values())))})")
+    settings = report["settings"]
+    return {
+        "datasets": datasets,
+        "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
+        "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
+        "temperature": settings["temperature"],
+        "max_new_tokens": settings["max_new_tokens"],
+        "command": report["command"],
+    }
 
 
 def markdown_table(report: dict) -> str:

@@ -15,7 +15,6 @@ ships them as remote code.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -451,13 +450,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 cached = (weight, weight[vocab].contiguous(), None if bias is None else bias[vocab])
                 self.__dict__["_draft_head"] = cached
             _, weight, bias = cached
-        logits = F.linear(hidden.to(weight.dtype), weight, bias)
+        return self.finish_logits(F.linear(hidden.to(weight.dtype), weight, bias)), vocab
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``output_multiplier`` then ``final_logit_softcapping`` (tanh(x / cap) * cap), when configured."""
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
-        return logits, vocab
+        return logits
 
     # ------------------------------------------------------------------ backbone
     def project_context(self, target_features: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,32 @@ def cmd_push(args) -> int:
     return 0
 
 
+def cmd_card(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .bench import card_results
+    from .hub import is_head_folder, render_model_card
+
+    ok, reason = is_head_folder(args.head_folder)
+    if not ok:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    results = card_results(json.loads(Path(args.results).read_text()), args.method) if args.results else None
+    card = render_model_card(args.head_folder, args.repo_id, results=results)
+    (Path(args.head_folder) / "README.md").write_text(card, encoding="utf-8")
+    print(f"wrote {Path(args.head_folder) / 'README.md'}")
+    return 0
+
+
 def register(subparsers) -> None:
+    card = subparsers.add_parser("card", help="write a head folder's README.md model card from a bench report")
+    card.add_argument("head_folder", metavar="HEAD_FOLDER")
+    card.add_argument("repo_id", metavar="REPO_ID")
+    card.add_argument("--results", default=None, help="JSON written by `hf-dflash2 bench`")
+    card.add_argument("--method", default="dflash2_fast", help="which bench method's numbers go in the card")
+    card.set_defaults(func=cmd_card)
+
     push = subparsers.add_parser(
         "push",
         help="upload a head folder (weights, config, remote code, model card) to the Hugging Face Hub",

@@ -21,7 +21,6 @@ def export_head(
 ) -> Path:
     from ..assets import load_target
     from ..hub import save_head
-    from .trainer import new_drafter_for
 
     run_dir = Path(run_dir)
     checkpoint = run_dir / "checkpoint.pt"

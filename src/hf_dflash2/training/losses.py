@@ -45,12 +45,7 @@ def block_loss(
     bias = bound.lm_head_bias
     if bias is not None and vocab_subset is not None:
         bias = bias[vocab_subset]
-    logits = F.linear(hidden, head.to(hidden.dtype), bias)
-    if drafter.config.output_multiplier is not None:
-        logits = logits * drafter.config.output_multiplier
-    cap = drafter.config.final_logit_softcapping
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
+    logits = drafter.finish_logits(F.linear(hidden, head.to(hidden.dtype), bias))
     safe_labels = labels.clamp_min(0)
     local_labels = safe_labels if vocab_subset is None else torch.searchsorted(vocab_subset, safe_labels)
     ce = F.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="none").view_as(labels)

@@ -1,0 +1,79 @@
+"""Training throughput (block positions per second) and peak memory, fp32 vs bf16 autocast, and
+regeneration throughput (tokens/s) at batch 1, 16 and 32, on SmolLM2-135M-Instruct (this CPU).
+
+    python benchmarks/training_throughput.py [--steps 6] [--data data/smollm2_sharegpt.jsonl]
+
+Writes benchmarks/results/training_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import save, table  # noqa: E402
+
+from hf_dflash2.assets import load_sharegpt_prompts, load_target  # noqa: E402
+from hf_dflash2.training.regenerate import encode_prompts  # noqa: E402
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, load_sequences, new_drafter_for  # noqa: E402
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--data", default="data/smollm2_sharegpt.jsonl")
+    parser.add_argument("--regen-tokens", type=int, default=32)
+    args = parser.parse_args()
+    target, tokenizer = load_target()
+    sequences = load_sequences(args.data, 512)[:16]
+    rows = []
+    for precision in ("no", "bf16"):
+        drafter = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=128,
+                                  target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
+        config = TrainingConfig(output_dir="/tmp/hf_dflash2_throughput", steps=args.steps + 1, batch_size=4,
+                                anchors_per_sequence=16, mixed_precision=precision, checkpoint_every=10**9)
+        trainer = Trainer(target, drafter, sequences, config)
+        for index in range(len(sequences)):
+            trainer.target_features(index)  # cached features: measure the drafter's own step
+        trainer.train_step()  # warm-up
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.train_step()
+        seconds = time.perf_counter() - started
+        positions = args.steps * 4 * 16 * 15
+        rows.append({"what": f"train step, {precision if precision != 'no' else 'fp32'}", "per_s": positions / seconds,
+                     "unit": "block positions/s", "peak_rss_mb": peak_rss_mb()})
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+    prompts, _ = load_sharegpt_prompts(limit=64)
+    encoded = [ids for _, ids in encode_prompts(tokenizer, prompts, 128)]
+    for batch in (1, 16, 32):
+        chunk = encoded[:batch]
+        width = max(len(x) for x in chunk)
+        ids = torch.full((batch, width), tokenizer.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, x in enumerate(chunk):
+            ids[i, width - len(x):] = torch.tensor(x)
+            mask[i, width - len(x):] = 1
+        started = time.perf_counter()
+        with torch.no_grad():
+            target.generate(ids, attention_mask=mask, max_new_tokens=args.regen_tokens, min_new_tokens=args.regen_tokens,
+                            do_sample=False, pad_token_id=tokenizer.pad_token_id, top_k=None, top_p=None, temperature=None)
+        rows.append({"what": f"regeneration, batch {batch}, fp32", "per_s": batch * args.regen_tokens / (time.perf_counter() - started),
+                     "unit": "tokens/s", "peak_rss_mb": peak_rss_mb()})
+        print(table(rows[-1:], list(rows[-1])), flush=True)
+    print(table(rows, ["what", "per_s", "unit", "peak_rss_mb"]))
+    print(f"written {save('training_throughput', {'command': 'python benchmarks/training_throughput.py ' + ' '.join(sys.argv[1:]), 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
