@@ -1,0 +1,154 @@
+"""``target.generate(**inputs, assistant_model=drafter)`` for dFlash 2 / DFlash 1 heads.
+
+How it is hooked in: Transformers picks a candidate generator in the private
+``GenerationMixin._get_candidate_generator``, and nothing there asks the assistant for its own. We wrap
+that method once (idempotently, on import of the drafter's modeling file, remote code included) with one
+rule: if the assistant has a ``get_candidate_generator`` method and no other speculation mode was
+requested (prompt lookup, early exit, MTP, ``speculation_type``), use it; otherwise call the original.
+Every other assistant, and ``generate`` without an assistant, behaves exactly as before.
+
+Shipped with saved heads as remote code (sibling of ``modeling_dflash2.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from .speculative_dflash2 import SpeculativeStats, tapped_features
+
+
+class DFlash2CandidateGenerator(CandidateGenerator):
+    """Drafts a block per round from the target's tapped hidden states (batch size 1, as the HF loop).
+
+    The first call only lets the target prefill (no candidates). Each later call turns the hidden states
+    of the tokens the target just accepted into drafter context, drafts ``B - 1`` tokens after the bonus
+    token, and returns them with, when sampling, ``log q`` as candidate logits (-inf outside the selector's
+    K candidates), which Transformers' lossless ``_speculative_sampling`` turns back into q exactly.
+    Statistics of the call are left on ``drafter.last_speculative_stats``.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(self, drafter, target, generation_config, logits_processor=None):
+        self.drafter = drafter
+        self.target = target
+        self.layer_ids = drafter.config.target_layer_ids
+        # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices).
+        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
+        self.block_size = drafter.config.block_size
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
+        self.logits_processor = logits_processor
+        self.context_kv = None
+        self.context_positions = None
+        self.stats = SpeculativeStats(self.block_size)
+        self.drafted_last = 0
+        drafter.last_speculative_stats = self.stats
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict[str, Any] | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        n_last_matches: int = 0,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        if is_first_iteration:
+            return input_ids, None  # the target prefills and picks the first token itself
+        if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
+            raise ValueError("DFlash2CandidateGenerator needs the target's hidden states from the previous forward")
+        cur_len = input_ids.shape[1]
+        new_context = cur_len - 1 if self.context_kv is None else n_last_matches + 1
+        features = tapped_features(model_outputs.hidden_states, self.layer_ids)[:, :new_context]
+        device = self.drafter.device
+        start = 0 if self.context_positions is None else int(self.context_positions.shape[1])
+        positions = torch.arange(start, start + new_context, device=device)[None]
+        new_kv = self.drafter.context_kv(self.drafter.project_context(features.to(device)), positions)
+        if self.context_kv is None:
+            self.context_kv, self.context_positions = new_kv, positions
+        else:
+            self.context_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.context_kv, new_kv)]
+            self.context_positions = torch.cat([self.context_positions, positions], dim=1)
+
+        room = self.max_length - cur_len - 1
+        if room <= 0:
+            self.drafted_last = 0
+            return input_ids, None
+        anchor = input_ids[:, -1].to(device)
+        anchor_pos = torch.tensor([cur_len - 1], device=device)
+        valid = torch.ones_like(self.context_positions, dtype=torch.bool)
+        with torch.no_grad():
+            draft = self.drafter.draft_block(
+                anchor, anchor_pos, self.context_kv, valid, self.context_positions, self.temperature
+            )
+        length = min(self.block_size - 1, room)
+        tokens = draft.tokens[:, :length].to(input_ids.device)
+        self.drafted_last = length
+        candidate_logits = None
+        if self.do_sample:
+            vocab = self.target.config.get_text_config().vocab_size
+            q = torch.zeros(1, length, vocab, dtype=torch.float32, device=device)
+            q.scatter_add_(-1, draft.q_ids[:, :length].expand(1, length, -1).contiguous(), draft.q_probs[:, :length].float())
+            candidate_logits = q.log().to(input_ids.device)
+        return torch.cat([input_ids, tokens], dim=1), candidate_logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        if self.drafted_last == 0:
+            return
+        accepted = torch.as_tensor([int(num_matches)])
+        self.stats.record(accepted, accepted + 1)
+
+
+def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):
+    """Validate and build the generator (called from the hook before any target forward)."""
+    if input_ids is not None and input_ids.shape[0] != 1:
+        raise ValueError(
+            f"generate(assistant_model=<dFlash 2 drafter>) runs at batch size 1 (got {input_ids.shape[0]} rows), like "
+            "every Transformers assisted loop; use hf_dflash2.speculative_generate(target, drafter, input_ids, "
+            "attention_mask=...) for batched speculative decoding"
+        )
+    if generation_config.num_return_sequences and generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"num_return_sequences={generation_config.num_return_sequences} is not supported with a dFlash 2 assistant; "
+            "call generate once per sequence or batch the prompt with hf_dflash2.speculative_generate"
+        )
+    if getattr(generation_config, "num_beams", 1) and generation_config.num_beams > 1:
+        raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
+    drafter.bind_target(target)
+    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor)
+
+
+def install_generate_hook() -> None:
+    """Let ``generate`` ask an assistant for its own candidate generator (idempotent, see module doc)."""
+    from transformers.generation.utils import GenerationMixin
+
+    original = GenerationMixin._get_candidate_generator
+    if getattr(original, "_dflash2_hook", False):
+        return
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model=None, *args, **kwargs):
+        factory = getattr(assistant_model, "get_candidate_generator", None)
+        other_mode = (
+            generation_config.prompt_lookup_num_tokens is not None
+            or generation_config.assistant_early_exit is not None
+            or getattr(generation_config, "use_mtp", False)
+            or getattr(generation_config, "speculation_type", None) is not None
+        )
+        if factory is not None and not other_mode:
+            return factory(
+                target=self,
+                generation_config=generation_config,
+                logits_processor=logits_processor,
+                model_kwargs=model_kwargs,
+                input_ids=input_ids,
+            )
+        return original(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model, *args, **kwargs)
+
+    _get_candidate_generator._dflash2_hook = True
+    _get_candidate_generator.__wrapped__ = original
+    GenerationMixin._get_candidate_generator = _get_candidate_generator

@@ -1,0 +1,45 @@
+"""Benchmark plumbing: summaries, model-card numbers, and the DFlash-1 -> native Transformers mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dflash2.bench import card_results, markdown_table, summarize, to_native_dflash
+
+from .conftest import tiny_drafter, tiny_target
+
+
+def test_summary_speedup_tau_and_card_numbers():
+    per_method = {
+        "ar": {"tokens": [10, 20], "seconds": [1.0, 2.0]},  # 0.1 s/token
+        "dflash2_fast": {"tokens": [10, 20], "seconds": [0.5, 1.0],
+                         "stats_list": [{"rounds": 4, "committed": 10, "accepted_histogram": [1, 1, 2, 0]},
+                                        {"rounds": 6, "committed": 20, "accepted_histogram": [0, 0, 0, 6]}]},
+    }
+    summary = summarize(per_method)
+    assert summary["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
+    assert summary["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(2.0)
+    assert summary["dflash2_fast"]["tau"] == pytest.approx(3.0)
+    # 10 rounds: 9 passed position 1, then 8 of 9, then 6 of 8
+    assert summary["dflash2_fast"]["per_position_acceptance"] == pytest.approx([0.9, 8 / 9, 0.75])
+    report = {"datasets": {"humaneval": summary}, "settings": {"batch_size": 1, "temperature": 0.0, "max_new_tokens": 64},
+              "machine": {"device": "cpu", "threads": 2}, "skipped": {"prompt_lookup": "why"}, "command": "hf-dflash2 bench"}
+    card = card_results(report, "dflash2_fast")
+    assert card["datasets"]["humaneval"]["tau"] == pytest.approx(3.0)
+    assert card["datasets"]["humaneval"]["speedup"] == pytest.approx(2.0)
+    assert "| dflash2_fast | 3.00 |" in markdown_table(report)
+    with pytest.raises(ValueError, match="not in this report"):
+        card_results(report, "missing_method")
+
+
+def test_dflash1_head_maps_into_the_native_transformers_path():
+    target = tiny_target(vocab_size=64)
+    head = tiny_drafter(target, dflash2=False, block_size=5)
+    native = to_native_dflash(head)
+    ids = torch.tensor([[5, 9, 17, 3, 44, 21]])
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+    out = target.generate(ids, assistant_model=native, speculation_type="dflash", max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, expected)
+    with pytest.raises(ValueError, match="only DFlash-1 heads map"):
+        to_native_dflash(tiny_drafter(target, dflash2=True))
