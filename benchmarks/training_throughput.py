@@ -9,7 +9,9 @@ Writes benchmarks/results/training_throughput.json.
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,32 +30,46 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def train_row(args) -> dict:
+    # bf16 matmuls are ~300x slower than fp32 on CPUs without AVX-512-BF16/AMX (this one): measure a small step.
+    precision = args.precision
+    steps, batch, anchors = (args.steps, 4, 16) if precision == "no" else (1, 1, 4)
+    target, _ = load_target()
+    sequences = load_sequences(args.data, 512)[:8]
+    drafter = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=128,
+                              target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
+    config = TrainingConfig(output_dir="/tmp/hf_dflash2_throughput", steps=steps + 1, batch_size=batch,
+                            anchors_per_sequence=anchors, mixed_precision=precision, checkpoint_every=10**9)
+    trainer = Trainer(target, drafter, sequences, config)
+    for index in range(len(sequences)):
+        trainer.target_features(index)  # cached features: measure the drafter's own step
+    if precision == "no":
+        trainer.train_step()  # warm-up
+    started = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    seconds = time.perf_counter() - started
+    return {"what": f"train step, {'fp32' if precision == 'no' else 'bf16 autocast'}", "per_s": steps * batch * anchors * 15 / seconds,
+            "unit": "block positions/s", "peak_rss_mb": peak_rss_mb()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--data", default="data/smollm2_sharegpt.jsonl")
     parser.add_argument("--regen-tokens", type=int, default=32)
+    parser.add_argument("--precision", choices=["no", "bf16"], default=None, help="internal: one training measurement")
     args = parser.parse_args()
-    target, tokenizer = load_target()
-    sequences = load_sequences(args.data, 512)[:16]
+    if args.precision:
+        print("ROW", json.dumps(train_row(args)))
+        return
     rows = []
-    for precision in ("no", "bf16"):
-        drafter = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=128,
-                                  target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
-        config = TrainingConfig(output_dir="/tmp/hf_dflash2_throughput", steps=args.steps + 1, batch_size=4,
-                                anchors_per_sequence=16, mixed_precision=precision, checkpoint_every=10**9)
-        trainer = Trainer(target, drafter, sequences, config)
-        for index in range(len(sequences)):
-            trainer.target_features(index)  # cached features: measure the drafter's own step
-        trainer.train_step()  # warm-up
-        started = time.perf_counter()
-        for _ in range(args.steps):
-            trainer.train_step()
-        seconds = time.perf_counter() - started
-        positions = args.steps * 4 * 16 * 15
-        rows.append({"what": f"train step, {precision if precision != 'no' else 'fp32'}", "per_s": positions / seconds,
-                     "unit": "block positions/s", "peak_rss_mb": peak_rss_mb()})
+    for precision in ("no", "bf16"):  # one process each: accelerate's state is per process
+        out = subprocess.run([sys.executable, __file__, "--precision", precision, "--steps", str(args.steps), "--data", args.data],
+                             capture_output=True, text=True, check=True).stdout
+        rows.append(json.loads(out.split("ROW", 1)[1]))
         print(table(rows[-1:], list(rows[-1])), flush=True)
+    target, tokenizer = load_target()
     prompts, _ = load_sharegpt_prompts(limit=64)
     encoded = [ids for _, ids in encode_prompts(tokenizer, prompts, 128)]
     for batch in (1, 16, 32):

@@ -15,7 +15,6 @@ ships them as remote code.
 from __future__ import annotations
 
 import json
-import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -29,6 +28,8 @@ from .candidate_generator_dflash2 import candidate_generator_for, install_genera
 from .configuration_dflash2 import DFlash2Config
 
 install_generate_hook()
+
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 
 
 class DFlash2RMSNorm(nn.Module):
@@ -266,10 +267,14 @@ class DFlash2CandidateSelector(nn.Module):
         anchor_ids: torch.Tensor,
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
+        vocab: torch.Tensor | None = None,
     ) -> SelectorOutput:
-        """hidden: [N, S, H]; logits: [N, S, V] unary; anchor_ids: [N]. Greedy walk at T=0, Gumbel-max at T>0."""
+        """hidden: [N, S, H]; logits: [N, S, V'] unary (``vocab`` [V'] maps them to token ids when V' < V);
+        anchor_ids: [N]. Greedy walk at T=0, Gumbel-max over S/T at T>0."""
         n, s, _ = logits.shape
         unary, candidate_ids = logits.float().topk(self.top_k, dim=-1)
+        if vocab is not None:
+            candidate_ids = vocab[candidate_ids]
         previous = torch.cat([anchor_ids[:, None, None].expand(n, 1, self.top_k), candidate_ids[:, :-1]], dim=1)
         tables = self.pair_tables(hidden, unary, candidate_ids, previous).float()
         if temperature > 0:
@@ -413,10 +418,42 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         scale = self.config.input_embedding_scale
         return out * scale if scale != 1.0 else out
 
-    def unary_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] final-normed -> [..., V] through the target's LM head."""
+    def set_draft_vocab(self, token_ids) -> "DFlash2DraftModel":
+        """Restrict drafting to these token ids (e.g. the tokens a head was trained on), or None for all.
+
+        Proposals stay lossless (the target still verifies every token); the LM head shrinks to these rows,
+        which on a CPU is most of a draft pass. Saved as ``draft_vocab.json`` beside the weights.
+        """
+        if token_ids is None:
+            self.__dict__["_draft_vocab"] = None
+            return self
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}), got {ids.numel()} ids")
+        self.__dict__["_draft_vocab"] = ids
+        self.__dict__.pop("_draft_head", None)
+        return self
+
+    @property
+    def draft_vocab(self) -> torch.Tensor | None:
+        return self.__dict__.get("_draft_vocab")
+
+    def unary_logits(self, hidden: torch.Tensor, restrict: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """hidden: [..., H] final-normed -> (logits [..., V'], vocab ids [V'] or None when V' = V)."""
         bound = self.bound_target
-        logits = F.linear(hidden.to(bound.lm_head_weight.dtype), bound.lm_head_weight, bound.lm_head_bias)
+        weight, bias, vocab = bound.lm_head_weight, bound.lm_head_bias, self.draft_vocab if restrict else None
+        if vocab is not None:
+            cached = self.__dict__.get("_draft_head")
+            if cached is None or cached[0] is not weight:
+                vocab = vocab.to(weight.device)
+                self.__dict__["_draft_vocab"] = vocab
+                cached = (weight, weight[vocab].contiguous(), None if bias is None else bias[vocab])
+                self.__dict__["_draft_head"] = cached
+            _, weight, bias = cached
+        return self.finish_logits(F.linear(hidden.to(weight.dtype), weight, bias)), vocab
+
+    def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``output_multiplier`` then ``final_logit_softcapping`` (tanh(x / cap) * cap), when configured."""
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -514,20 +551,22 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 context_valid, context_positions, anchor_positions[:, None], block_size, cfg.sliding_window
             )
         hidden = self(self.embed(ids)[:, None], positions, mask, context_kv=context_kv, sliding_attention_mask=sliding)[:, 0, 1:]
-        logits = self.unary_logits(hidden)
-        return self.propose(hidden, logits, anchor_ids, temperature, generator)
+        logits, vocab = self.unary_logits(hidden)
+        return self.propose(hidden, logits, anchor_ids, temperature, generator, vocab)
 
-    def propose(self, hidden, logits, anchor_ids, temperature=0.0, generator=None) -> DraftOutput:
-        """Turn unary logits into proposals: path selector (dFlash 2) or argmax / sampling (DFlash 1)."""
+    def propose(self, hidden, logits, anchor_ids, temperature=0.0, generator=None, vocab=None) -> DraftOutput:
+        """Turn unary logits into proposals: path selector (dFlash 2) or argmax / sampling (DFlash 1).
+
+        ``vocab`` maps the last axis of ``logits`` to token ids when drafting over a sub-vocabulary."""
         if self.candidate_selector is not None:
-            sel = self.candidate_selector(hidden, logits, anchor_ids, temperature, generator)
+            sel = self.candidate_selector(hidden, logits, anchor_ids, temperature, generator, vocab)
             return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden)
+        ids = torch.arange(logits.shape[-1], device=logits.device) if vocab is None else vocab
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
-            tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
-            ids = torch.arange(probs.shape[-1], device=probs.device).expand_as(probs)
-            return DraftOutput(tokens, ids, probs, logits, hidden)
-        tokens = logits.argmax(-1)
+            local = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
+            return DraftOutput(ids[local], ids.expand_as(probs), probs, logits, hidden)
+        tokens = ids[logits.argmax(-1)]
         return DraftOutput(tokens, tokens[..., None], torch.ones_like(tokens[..., None], dtype=torch.float32), logits, hidden)
 
     def get_candidate_generator(self, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):
@@ -535,6 +574,22 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         return candidate_generator_for(self, target, generation_config, logits_processor, model_kwargs, input_ids)
 
     # ------------------------------------------------------------------ saving
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """As ``PreTrainedModel.from_pretrained``; also reads the optional ``draft_vocab.json``."""
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        from transformers.utils import cached_file
+
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+        path = cached_file(
+            pretrained_model_name_or_path, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False, **hub_kwargs,
+        )
+        if path:
+            with open(path, encoding="utf-8") as handle:
+                model.set_draft_vocab(json.load(handle)["token_ids"])
+        return model
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As ``PreTrainedModel.save_pretrained``, plus the published ``architectures`` name for DFlash 1 heads."""
         kwargs.setdefault("safe_serialization", True)
@@ -551,6 +606,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                     json.dump(data, handle, indent=2, sort_keys=True)
                     handle.write("\n")
                 os.replace(tmp, config_path)
+        if self.draft_vocab is not None:
+            with open(os.path.join(save_directory, DRAFT_VOCAB_FILE), "w", encoding="utf-8") as handle:
+                json.dump({"token_ids": self.draft_vocab.tolist()}, handle)
         return result
 
 

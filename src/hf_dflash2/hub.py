@@ -116,7 +116,7 @@ def _results_section(results: dict | None) -> str:
     if not results or not results.get("datasets"):
         return "No measured acceptance length yet: run `hf-dflash2 bench` and push again with `--results`."
     rows = [
-        "| dataset | τ (mean accepted tokens per round) | speedup | per-position acceptance |",
+        "| dataset | τ (tokens per target forward, bonus included) | speedup vs plain AR | per-position acceptance (conditional) |",
         "|---|---|---|---|",
     ]
     for name, entry in results["datasets"].items():
