@@ -114,6 +114,7 @@ def speculative_generate(
 
     eos = _eos_tensor(target, eos_token_id, device)
     layer_ids = drafter.config.target_layer_ids
+    capture = [i + 1 for i in layer_ids]  # only the tapped layers' hidden states are kept
     draft_temperature = temperature if do_sample else 0.0
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -135,7 +136,7 @@ def speculative_generate(
         position_ids=slot_pos,
         cache=cache,
         use_cache=True,
-        output_hidden_states=True,
+        output_hidden_states=capture,
         logits_to_keep=1,
     )
     draft_kv = drafter.context_kv(drafter.project_context(tapped_features(out.hidden_states, layer_ids)), slot_pos)
@@ -173,7 +174,7 @@ def speculative_generate(
             position_ids=verify_pos,
             cache=cache,
             use_cache=True,
-            output_hidden_states=True,
+            output_hidden_states=capture,
         )
         logits = out.logits.float()
         if do_sample:
