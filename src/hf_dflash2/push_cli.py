@@ -5,6 +5,21 @@ from __future__ import annotations
 import sys
 
 
+def _card_results(path, method):
+    """A bench report (``hf-dflash2 bench`` JSON) becomes the card's numbers for ``method``."""
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    data = json.loads(Path(path).read_text())
+    if "settings" in data and "machine" in data:
+        from .bench import card_results
+
+        return card_results(data, method)
+    return data
+
+
 def cmd_push(args) -> int:
     from .hub import push_head
 
@@ -15,7 +30,7 @@ def cmd_push(args) -> int:
             private=args.private,
             revision=args.revision,
             create_pr=args.create_pr,
-            results=args.results,
+            results=_card_results(args.results, args.method),
             endpoint=args.endpoint,
             base_model=args.base_model,
         )
@@ -60,6 +75,7 @@ def register(subparsers) -> None:
     )
     push.add_argument("head_folder", metavar="HEAD_FOLDER", help="folder with config.json and model.safetensors")
     push.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. your-name/Qwen3-8B-dflash2")
+    push.add_argument("--method", default="dflash2_fast", help="with a bench report as --results: whose numbers to show")
     push.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
     push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
