@@ -123,6 +123,27 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
     return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor)
 
 
+SUPPORTED_TRANSFORMERS = "transformers>=5.20,<6"
+HOOKED_PARAMETERS = ("self", "generation_config", "input_ids", "inputs_tensor", "logits_processor", "model_kwargs",
+                     "assistant_model")
+
+
+def check_hooked_signature(method) -> None:
+    """The wrapper relies on the private method's leading parameters; refuse a Transformers that changed them."""
+    import inspect
+
+    import transformers
+
+    names = tuple(inspect.signature(method).parameters)[: len(HOOKED_PARAMETERS)]
+    if names != HOOKED_PARAMETERS:
+        raise ImportError(
+            f"hf_dflash2 supports {SUPPORTED_TRANSFORMERS}: transformers {transformers.__version__} has "
+            f"GenerationMixin._get_candidate_generator{names}, expected the leading parameters {HOOKED_PARAMETERS}. "
+            f"Install a supported version (pip install '{SUPPORTED_TRANSFORMERS}') or use "
+            "hf_dflash2.speculative_generate, which does not go through generate()."
+        )
+
+
 def install_generate_hook() -> None:
     """Let ``generate`` ask an assistant for its own candidate generator (idempotent, see module doc)."""
     from transformers.generation.utils import GenerationMixin
@@ -130,6 +151,7 @@ def install_generate_hook() -> None:
     original = GenerationMixin._get_candidate_generator
     if getattr(original, "_dflash2_hook", False):
         return
+    check_hooked_signature(original)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model=None, *args, **kwargs):
         factory = getattr(assistant_model, "get_candidate_generator", None)
