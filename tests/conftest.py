@@ -9,7 +9,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "reference" / "fixtures"
+FIXTURES = Path(__file__).resolve().parent / "fixtures"  # copies of shared/reference/fixtures
 
 
 def tiny_target(arch: str = "llama", vocab_size: int = 96, hidden_size: int = 64, layers: int = 6, seed: int = 0, **overrides):

@@ -218,4 +218,6 @@ def _embedding_scale(text_config) -> float:
     return 1.0
 
 
+DFlash2Config.register_for_auto_class()  # every save writes auto_map["AutoConfig"] and this file
+
 __all__ = ["DFlash2Config", "default_target_layer_ids"]

@@ -14,8 +14,10 @@ ships them as remote code.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
@@ -26,10 +28,12 @@ from transformers import PreTrainedModel
 
 from .candidate_generator_dflash2 import candidate_generator_for, install_generate_hook
 from .configuration_dflash2 import DFlash2Config
+from .custom_generate_dflash2 import generate as custom_generate_entry
 
 install_generate_hook()
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
+CUSTOM_GENERATE_FILE = os.path.join("custom_generate", "generate.py")
 
 
 class DFlash2RMSNorm(nn.Module):
@@ -609,11 +613,18 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if self.draft_vocab is not None:
             with open(os.path.join(save_directory, DRAFT_VOCAB_FILE), "w", encoding="utf-8") as handle:
                 json.dump({"token_ids": self.draft_vocab.tolist()}, handle)
+        # Transformers' hook-free extension point: target.generate(custom_generate=<this folder>, ...)
+        os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
+        shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
         return result
 
 
 class DFlashDraftModel(DFlash2DraftModel):
     """Name under which DFlash 1 heads are published; the same model with conv and selector off."""
+
+
+# Every save_pretrained / push_to_hub writes ``auto_map`` and these code files, so heads load without the package.
+DFlash2DraftModel.register_for_auto_class("AutoModel")
 
 
 __all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlash2PreTrainedModel", "DraftOutput", "SelectorOutput"]

@@ -1,0 +1,54 @@
+"""Transformers' ``custom_generate`` entry point for a dFlash 2 head folder.
+
+Saving a head writes this file as ``custom_generate/generate.py``, so that
+
+    target.generate(**inputs, custom_generate="you/Qwen3-8B-dflash2", trust_remote_code=True)
+
+loads the head (weights and remote code from the same folder or repo) and runs
+``generate(assistant_model=head)``: lossless speculative decoding at batch size 1, with no import of
+``hf_dflash2``. Only torch and transformers are imported here, and no sibling file: Transformers loads
+this file on its own, from the ``custom_generate`` subfolder.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers import AutoModel
+
+_DRAFTERS: dict = {}  # (head, dtype, device) -> drafter, so repeated calls do not reload the head
+
+
+def _head_reference() -> str:
+    """The ``custom_generate=`` argument of the ``generate`` call that is running us.
+
+    Transformers hands the custom function the arguments of ``generate`` but not ``custom_generate`` itself,
+    and the head's weights live where this file came from, so we read it from the calling frame.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "generate" and isinstance(frame.f_locals.get("custom_generate"), str):
+            return frame.f_locals["custom_generate"]
+        frame = frame.f_back
+    raise ValueError(
+        "dFlash 2 custom_generate: cannot find the head folder; call target.generate(..., custom_generate=HEAD, "
+        "trust_remote_code=True) or pass assistant_model=AutoModel.from_pretrained(HEAD, trust_remote_code=True)"
+    )
+
+
+def load_drafter(head: str, model) -> torch.nn.Module:
+    """The head at ``head`` (folder or Hub id) in the target's dtype and device, cached per process."""
+    key = (head, model.dtype, str(model.device))
+    if key not in _DRAFTERS:
+        drafter = AutoModel.from_pretrained(head, trust_remote_code=True, dtype=model.dtype)
+        _DRAFTERS[key] = drafter.to(model.device).eval()
+    return _DRAFTERS[key]
+
+
+def generate(model, *args, assistant_model=None, **kwargs):
+    """``model.generate(*args, **kwargs)`` with this head as the assistant (batch size 1, any sampling)."""
+    drafter = assistant_model if assistant_model is not None else load_drafter(_head_reference(), model)
+    if not hasattr(drafter, "get_candidate_generator"):
+        raise ValueError(f"{type(drafter).__name__} is not a dFlash 2 / DFlash head (no get_candidate_generator)")
+    return model.generate(*args, assistant_model=drafter, **kwargs)
