@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from .conftest import tiny_drafter, tiny_target
+from .test_hub import hub  # noqa: F401  (fixture: the local Hub stand-in)
 
 # A subprocess preamble that makes `import hf_dflash2` fail, as on a machine without the package.
 BLOCK_PACKAGE = textwrap.dedent(
@@ -125,3 +126,39 @@ def test_hook_refuses_a_changed_private_signature():
     with pytest.raises(ImportError, match="inputs_tensor") as error:
         check_hooked_signature(changed)
     assert SUPPORTED_TRANSFORMERS in str(error.value)
+
+
+def test_repository_heads_hold_no_code_and_load_with_the_package():
+    from hf_dflash2 import DFlash2DraftModel
+
+    from .conftest import REPO
+
+    for head in sorted((REPO / "heads").iterdir()):
+        assert not list(head.rglob("*.py")), f"{head} holds a copy of the code"
+        drafter = DFlash2DraftModel.from_pretrained(head)
+        assert drafter.config.num_target_layers == 30 and drafter.draft_vocab is not None
+
+
+def test_push_writes_the_code_of_a_head_kept_without_it(tmp_path, hub):
+    from hf_dflash2 import custom_generate_dflash2, modeling_dflash2
+    from hf_dflash2.hub import push_head, save_head
+
+    from .test_hub import REPO_ID, TOKEN
+
+    head = save_head(tiny_drafter(tiny_target()), tmp_path / "head")
+    for path in [*head.glob("*.py"), head / "custom_generate" / "generate.py"]:
+        path.unlink()
+    config = json.loads((head / "config.json").read_text())
+    del config["auto_map"]
+    (head / "config.json").write_text(json.dumps(config))
+    before = {p.name: p.read_bytes() for p in head.iterdir() if p.is_file()}
+
+    push_head(head, REPO_ID, token=TOKEN, endpoint=hub.url)
+    files = hub.files(REPO_ID)
+    source = modeling_dflash2.__file__
+    assert files["modeling_dflash2.py"] == open(source, "rb").read()
+    assert files["custom_generate/generate.py"] == open(custom_generate_dflash2.__file__, "rb").read()
+    for name in ("configuration_dflash2.py", "candidate_generator_dflash2.py", "speculative_dflash2.py"):
+        assert name in files, name
+    assert json.loads(files["config.json"])["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
+    assert {p.name: p.read_bytes() for p in head.iterdir() if p.is_file()} == before  # the folder is untouched

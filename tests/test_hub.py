@@ -227,4 +227,4 @@ def test_model_card_without_results_or_base_model(tmp_path):
     assert "base_model: unknown" in card and "- sharegpt" in card
     assert "No measured acceptance length yet" in card and '"num_speculative_tokens": 7' in card
     assert "base_model: org/target" in render_model_card(head, "me/head", base_model="org/target")
-    assert (REPO / "model_cards" / "dflash2_head.md").exists()
+    assert (REPO / "src" / "hf_dflash2" / "model_cards" / "dflash2_head.md").exists()

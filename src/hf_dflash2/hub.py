@@ -31,8 +31,6 @@ def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> 
         finally:
             if bound is not None:
                 drafter.__dict__["_bound_target"] = bound
-    model.config.register_for_auto_class()
-    type(model).register_for_auto_class("AutoModel")
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         model.save_pretrained(tmp)
@@ -56,6 +54,38 @@ def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> 
     return folder
 
 
+def write_remote_code(folder: str | Path) -> list[str]:
+    """Write the drafter's code into a head folder: what ``save_pretrained`` writes, for heads kept without it.
+
+    The modeling file and every sibling it imports, ``custom_generate/generate.py``, and ``auto_map`` in
+    ``config.json``; existing files (or links) of those names are replaced. Returns the written names.
+    """
+    from transformers.dynamic_module_utils import get_relative_import_files
+
+    from . import custom_generate_dflash2, modeling_dflash2
+
+    folder = Path(folder)
+    modeling = Path(modeling_dflash2.__file__)
+    copies = {path.name: path for path in map(Path, [modeling, *get_relative_import_files(modeling)])}
+    copies["custom_generate/generate.py"] = Path(custom_generate_dflash2.__file__)
+    for name, source in copies.items():
+        destination = folder / name
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        destination.unlink(missing_ok=True)  # a link into the original folder must not be written through
+        shutil.copyfile(source, destination)
+    config_path = folder / "config.json"
+    config = _read_json(config_path)
+    architecture = (config.get("architectures") or ["DFlash2DraftModel"])[0]
+    if architecture not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        architecture = "DFlash2DraftModel"
+    auto_map = {"AutoConfig": "configuration_dflash2.DFlash2Config", "AutoModel": f"modeling_dflash2.{architecture}"}
+    if config.get("auto_map") != auto_map:
+        config["auto_map"] = auto_map
+        config_path.unlink()
+        config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    return sorted([*copies, "config.json"])
+
+
 def is_head_folder(folder: str | Path) -> tuple[bool, str]:
     """(ok, reason): a folder with a dFlash config and safetensors weights."""
     folder = Path(folder)
@@ -75,8 +105,18 @@ def is_head_folder(folder: str | Path) -> tuple[bool, str]:
 
 # ----------------------------------------------------------------------------------------- model card
 
-MODEL_CARD_TEMPLATE = Path(__file__).resolve().parents[2] / "model_cards" / "dflash2_head.md"
+MODEL_CARD_TEMPLATE = "model_cards/dflash2_head.md"  # package data of hf_dflash2
 DEFAULT_CARD_DATASETS = ("sharegpt",)
+
+
+def default_card_template() -> str:
+    """The packaged model card template (works from a wheel as from a checkout)."""
+    from importlib.resources import files
+
+    resource = files("hf_dflash2").joinpath(MODEL_CARD_TEMPLATE)
+    if not resource.is_file():
+        raise FileNotFoundError(f"hf_dflash2/{MODEL_CARD_TEMPLATE} is missing from the installed package: reinstall it")
+    return resource.read_text(encoding="utf-8")
 
 
 def _read_json(path: Path) -> dict:
@@ -175,7 +215,7 @@ def render_model_card(
     ``base_model`` comes from the head's ``config.json`` field ``"base_model"``, else the argument, else
     ``"unknown"``. ``results`` is a benchmark JSON (dict or path) shaped like
     ``{"datasets": {"humaneval": {"tau": 2.1, "per_position_acceptance": [...], "speedup": 1.3}}, "command": "..."}``.
-    ``template`` is a path (or the text) of a ``string.Template`` file; default ``model_cards/dflash2_head.md``.
+    ``template`` is a path (or the text) of a ``string.Template`` file; default: the packaged ``hf_dflash2/model_cards/dflash2_head.md``.
     """
     from string import Template
 
@@ -183,9 +223,7 @@ def render_model_card(
     config = _read_json(head_folder / "config.json")
     results = _load_results(results)
     if template is None:
-        if not MODEL_CARD_TEMPLATE.exists():
-            raise FileNotFoundError(f"model card template {MODEL_CARD_TEMPLATE} is missing: pass template=")
-        text = MODEL_CARD_TEMPLATE.read_text(encoding="utf-8")
+        text = default_card_template()
     elif isinstance(template, str) and "\n" in template:
         text = template
     else:
@@ -280,6 +318,7 @@ def push_head(
         staging = Path(tmp) / head_folder.name
         staging.mkdir()
         _link_tree(head_folder, staging)
+        write_remote_code(staging)  # the code of this package version, not whatever the folder holds
         (staging / "README.md").write_text(card, encoding="utf-8")
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
