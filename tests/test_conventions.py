@@ -162,3 +162,113 @@ def test_push_writes_the_code_of_a_head_kept_without_it(tmp_path, hub):
         assert name in files, name
     assert json.loads(files["config.json"])["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
     assert {p.name: p.read_bytes() for p in head.iterdir() if p.is_file()} == before  # the folder is untouched
+
+
+# ----------------------------------------------------------------------------------------- prompts, CLI
+
+
+def tiny_base_tokenizer():
+    """A word-level tokenizer with a BOS token and no chat template, as a base model ships."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", "hello", "world", "def", "f", "(", ")", ":", "return", "1"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+def test_chat_template_auto_falls_back_to_plain_text_with_a_note(caplog):
+    from hf_dflash2.prompts import apply_chat_template_option, encode_messages, encode_prompt
+
+    tokenizer = tiny_base_tokenizer()
+    assert not tokenizer.chat_template
+    messages = [{"role": "user", "content": "hello world"}, {"role": "user", "content": "def f ( ) :"}]
+    with caplog.at_level("WARNING"):
+        assert apply_chat_template_option(tokenizer, "auto") == "plain"
+    assert "no chat template" in caplog.text
+    assert encode_messages(tokenizer, messages) == [1, 4, 5, 6, 7, 8, 9, 10]  # BOS once, turns in order
+    assert encode_prompt(tokenizer, {"messages": messages[:1]}).tolist() == [[1, 4, 5]]
+    assert apply_chat_template_option(tiny_base_tokenizer(), "none") == "plain"
+
+
+def test_chat_template_file_and_bad_values(tmp_path):
+    from hf_dflash2.prompts import ChatTemplateError, apply_chat_template_option, encode_messages, parse_chat_template
+
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }} return{% endfor %}")
+    tokenizer = tiny_base_tokenizer()
+    assert apply_chat_template_option(tokenizer, str(template)) == "file"
+    assert encode_messages(tokenizer, [{"role": "user", "content": "hello"}]) == [4, 11]
+    for bad in (str(tmp_path / "missing.jinja"), str(tmp_path)):
+        with pytest.raises(ChatTemplateError, match="missing.jinja|expected auto, none"):
+            parse_chat_template(bad)
+    (tmp_path / "empty.txt").write_text("just words")
+    with pytest.raises(ChatTemplateError, match="no Jinja template"):
+        parse_chat_template(str(tmp_path / "empty.txt"))
+
+
+def test_chat_template_auto_keeps_the_tokenizers_own():
+    from hf_dflash2.prompts import apply_chat_template_option, encode_messages
+
+    tokenizer = tiny_base_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"
+    assert apply_chat_template_option(tokenizer, "auto") == "tokenizer"
+    assert encode_messages(tokenizer, [{"role": "user", "content": "world"}]) == [1, 5]
+
+
+def test_left_pad():
+    from hf_dflash2.prompts import left_pad
+
+    ids, mask = left_pad([torch.tensor([[5, 6, 7]]), torch.tensor([[8]])], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_cli_defaults_come_from_the_settings_dataclasses():
+    import dataclasses
+
+    from hf_dflash2.cli import build_parser
+    from hf_dflash2.settings import BenchSettings, CardSettings, DemoSettings
+
+    parser = build_parser()
+    for argv, settings_class in ((["bench"], BenchSettings), (["demo"], DemoSettings),
+                                 (["card", "h", "r"], CardSettings), (["push", "h", "r"], CardSettings)):
+        args = vars(parser.parse_args(argv))
+        for item in dataclasses.fields(settings_class):
+            assert args[item.name] == item.default, (argv, item.name)
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [("top_k", 0, "top_k must be an integer >= 1"), ("top_p", 0.0, r"top_p must be in \(0, 1\]"),
+     ("top_p", 1.5, "got 1.5"), ("temperature", -1.0, "temperature must be"), ("temperature", float("nan"), "nan")],
+)
+def test_sampling_settings_are_validated(field, value, match):
+    from hf_dflash2.settings import BenchSettings, DemoSettings, InvalidSamplingError
+
+    for settings_class in (BenchSettings, DemoSettings):
+        with pytest.raises(InvalidSamplingError, match=match):
+            settings_class(**{field: value})
+
+
+def test_cli_rejects_bad_sampling_and_template_before_loading(tmp_path, monkeypatch, capsys):
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    with pytest.raises(SystemExit, match="top_k"):
+        main(["bench", "--top-k", "0"])
+    with pytest.raises(SystemExit, match="unknown methods"):
+        main(["bench", "--methods", "ar,warp"])
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    from hf_dflash2.prompts import ChatTemplateError
+
+    with pytest.raises(ChatTemplateError, match="nope.jinja"):
+        main(["demo", "--head", str(head), "--chat-template", str(tmp_path / "nope.jinja")])

@@ -26,25 +26,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-DEFAULT_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-dflash2"
-DEFAULT_DFLASH1_HEAD = Path(__file__).resolve().parents[2] / "heads" / "smollm2-135m-dflash1"
-ALL_METHODS = ["ar", "dflash2_generate", "dflash2_fast", "dflash1_fast", "prompt_lookup", "native_dflash"]
+from .hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
+from .prompts import apply_chat_template_option, check_head_matches_target, default_head, encode_prompt, left_pad, load_head
+from .settings import BENCH_METHODS, BenchSettings, add_arguments, from_args
 
-
-def load_head(folder, target):
-    from .modeling_dflash2 import DFlash2DraftModel
-
-    drafter = DFlash2DraftModel.from_pretrained(folder, dtype=next(target.parameters()).dtype).eval()
-    return drafter.bind_target(target)
-
-
-def check_head_matches_target(folder, target) -> None:
-    """A head trained for another target is refused before any benchmark work."""
-    config = json.loads((Path(folder) / "config.json").read_text())
-    text = target.config.get_text_config()
-    for field, mine in (("hidden_size", text.hidden_size), ("vocab_size", text.vocab_size), ("num_target_layers", text.num_hidden_layers)):
-        if field in config and config[field] != mine:
-            raise ValueError(f"head {folder} has {field}={config[field]} but the benchmark's target has {mine}")
+ALL_METHODS = list(BENCH_METHODS)
 
 
 def to_native_dflash(drafter):
@@ -87,29 +73,13 @@ def to_native_dflash(drafter):
     return native
 
 
-def encode(tokenizer, prompt, device):
-    ids = tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True, tokenize=True)
-    if hasattr(ids, "keys"):
-        ids = ids["input_ids"]
-    return torch.tensor([list(ids)], device=device)
-
-
-def left_pad(rows: list[torch.Tensor], pad_id: int):
-    width = max(r.shape[1] for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - r.shape[1] :] = r[0]
-        mask[i, width - r.shape[1] :] = 1
-    return ids, mask
-
-
 class Runner:
     """Runs one method on one batch of prompts; returns generated token count, wall time, stats."""
 
-    def __init__(self, target, tokenizer, heads: dict, max_new_tokens: int, temperature: float):
+    def __init__(self, target, tokenizer, heads: dict, max_new_tokens: int, temperature: float,
+                 top_k: int | None = None, top_p: float | None = None):
         self.target, self.tokenizer, self.heads = target, tokenizer, heads
-        self.max_new_tokens, self.temperature = max_new_tokens, temperature
+        self.max_new_tokens, self.temperature, self.top_k, self.top_p = max_new_tokens, temperature, top_k, top_p
         self.sample = temperature > 0
         self.eos = target.generation_config.eos_token_id
         self.pad = tokenizer.pad_token_id
@@ -117,7 +87,7 @@ class Runner:
 
     def sampling_kwargs(self):
         if self.sample:
-            return {"do_sample": True, "temperature": self.temperature, "top_k": None, "top_p": None}
+            return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
         return {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
 
     def supports(self, method: str, batch: int) -> str | None:
@@ -155,7 +125,8 @@ class Runner:
             head = self.heads["dflash2" if method == "dflash2_fast" else "dflash1"]
             result = speculative_generate(
                 self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
-                temperature=self.temperature or 1.0, pad_token_id=self.pad,
+                temperature=self.temperature or 1.0, top_k=self.top_k if self.sample else None,
+                top_p=self.top_p if self.sample else None, pad_token_id=self.pad,
             )
             generated, stats = int(result.num_generated.sum()), result.stats
         elif method == "dflash2_generate":
@@ -173,30 +144,31 @@ class Runner:
         return generated, time.perf_counter() - started, stats
 
 
-def run_benchmark(args) -> dict:
+def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
     from .assets import load_prompt_set, load_target
+    from .prompts import parse_chat_template
 
     torch.manual_seed(args.seed)
     methods = args.methods.split(",")
-    unknown = sorted(set(methods) - set(ALL_METHODS))
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {ALL_METHODS}")
+    parse_chat_template(args.chat_template)  # before any model load
     heads_paths = {}
-    if args.head and Path(args.head).exists():
-        heads_paths["dflash2"] = args.head
-    if args.dflash1_head and Path(args.dflash1_head).exists():
-        heads_paths["dflash1"] = args.dflash1_head
+    for name, folder in (("dflash2", args.head or default_head("smollm2-135m-dflash2")),
+                         ("dflash1", args.dflash1_head or default_head("smollm2-135m-dflash1"))):
+        if folder and Path(folder).exists():
+            heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
     target, tokenizer = load_target(args.target, args.gguf_file)
+    apply_chat_template_option(tokenizer, args.chat_template)
     for folder in heads_paths.values():
         check_head_matches_target(folder, target)
     heads = {name: load_head(folder, target) for name, folder in heads_paths.items()}
-    runner = Runner(target, tokenizer, heads, args.max_new_tokens, args.temperature)
+    runner = Runner(target, tokenizer, heads, args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     report = {
-        "command": args.command_line,
+        "command": command_line,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(target.device)},
-        "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "batch_size", "methods")},
+        "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "top_k", "top_p",
+                                                   "batch_size", "methods", "chat_template")},
         "heads": heads_paths,
         "skipped": {},
         "datasets": {},
@@ -211,7 +183,7 @@ def run_benchmark(args) -> dict:
     for name, prompts in datasets.items():
         per_method = {m: {"tokens": [], "seconds": []} for m in active}
         for start in range(0, len(prompts), args.batch_size):
-            rows = [encode(tokenizer, p, target.device) for p in prompts[start : start + args.batch_size]]
+            rows = [encode_prompt(tokenizer, p, target.device) for p in prompts[start : start + args.batch_size]]
             ids, mask = left_pad(rows, tokenizer.pad_token_id)
             for method in active:  # interleaved: every method on this prompt before the next prompt
                 generated, seconds, stats = runner.run(method, ids, mask)
@@ -260,27 +232,6 @@ def summarize(per_method: dict) -> dict:
             entry["per_position_acceptance"] = rates
         out[method] = entry
     return out
-
-
-def card_results(report: dict, method: str) -> dict:
-    """The model card's results block for one method of a bench report."""
-    datasets = {}
-    for name, methods in report["datasets"].items():
-        if method in methods:
-            entry = methods[method]
-            datasets[name] = {"tau": entry.get("tau"), "per_position_acceptance": (entry.get("per_position_acceptance") or [])[:8],
-                              "speedup": entry.get("speedup_vs_ar")}
-    if not datasets:
-        raise ValueError(f"method {method!r} is not in this report (methods: {sorted(next(iter(report['datasets'].values())))})")
-    settings = report["settings"]
-    return {
-        "datasets": datasets,
-        "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
-        "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
-        "temperature": settings["temperature"],
-        "max_new_tokens": settings["max_new_tokens"],
-        "command": report["command"],
-    }
 
 
 def markdown_table(report: dict) -> str:
@@ -333,13 +284,12 @@ def draw_chart(report: dict, path: Path) -> None:
 def cmd_bench(args) -> int:
     import sys
 
-    args.command_line = "hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv and "hf-dflash2" in sys.argv[0] else args.command_line
-    if args.limit is not None and args.limit < 1:
-        raise SystemExit(f"--limit must be >= 1, got {args.limit}")
-    report = run_benchmark(args)
-    output = Path(args.output)
+    settings = from_args(BenchSettings, args)
+    command_line = "hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv and "hf-dflash2" in sys.argv[0] else "hf-dflash2 bench"
+    report = run_benchmark(settings, command_line)
+    output = Path(settings.output)
     output.mkdir(parents=True, exist_ok=True)
-    stem = f"bench_b{args.batch_size}_t{args.temperature:g}"
+    stem = f"bench_b{settings.batch_size}_t{settings.temperature:g}"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=1))
     table = markdown_table(report)
     (output / f"{stem}.md").write_text(table)
@@ -350,16 +300,5 @@ def cmd_bench(args) -> int:
 
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmark decoding methods on MT-Bench / HumanEval prompts")
-    bench.add_argument("--target", default=None)
-    bench.add_argument("--gguf-file", default=None)
-    bench.add_argument("--head", default=str(DEFAULT_HEAD), help="dFlash 2 head folder")
-    bench.add_argument("--dflash1-head", default=str(DEFAULT_DFLASH1_HEAD), help="DFlash-1 head folder (same budget)")
-    bench.add_argument("--sets", default="mtbench,humaneval")
-    bench.add_argument("--limit", type=int, default=10)
-    bench.add_argument("--max-new-tokens", type=int, default=256)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--methods", default=",".join(ALL_METHODS))
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--output", default="benchmarks/results")
-    bench.set_defaults(func=cmd_bench, command_line="hf-dflash2 bench")
+    add_arguments(bench, BenchSettings)
+    bench.set_defaults(func=cmd_bench)

@@ -203,6 +203,38 @@ def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
     return list(DEFAULT_CARD_DATASETS)
 
 
+def card_results(report: dict, method: str) -> dict:
+    """The model card's results block for one method of a bench report."""
+    datasets = {}
+    for name, methods in report["datasets"].items():
+        if method in methods:
+            entry = methods[method]
+            datasets[name] = {"tau": entry.get("tau"), "per_position_acceptance": (entry.get("per_position_acceptance") or [])[:8],
+                              "speedup": entry.get("speedup_vs_ar")}
+    if not datasets:
+        raise ValueError(f"method {method!r} is not in this report (methods: {sorted(next(iter(report['datasets'].values())))})")
+    settings = report["settings"]
+    return {
+        "datasets": datasets,
+        "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
+        "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
+        "temperature": settings["temperature"],
+        "max_new_tokens": settings["max_new_tokens"],
+        "command": report["command"],
+    }
+
+
+def load_card_results(path: str | Path | None, method: str = "dflash2_fast") -> dict | None:
+    """A results JSON for the card: a ``hf-dflash2 bench`` report (turned into ``method``'s numbers) or a
+    ready ``{"datasets": ...}`` block."""
+    if path is None:
+        return None
+    data = _read_json(Path(path))
+    if "settings" in data and "machine" in data:
+        return card_results(data, method)
+    return data
+
+
 def render_model_card(
     head_folder: str | Path,
     repo_id: str,

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import sys
 
-
-def _card_results(path, method):
-    """A bench report (``hf-dflash2 bench`` JSON) becomes the card's numbers for ``method``."""
-    if path is None:
-        return None
-    import json
-    from pathlib import Path
-
-    data = json.loads(Path(path).read_text())
-    if "settings" in data and "machine" in data:
-        from .bench import card_results
-
-        return card_results(data, method)
-    return data
+from .settings import CardSettings, add_arguments, from_args
 
 
 def cmd_push(args) -> int:
-    from .hub import push_head
+    from .hub import load_card_results, push_head
 
+    settings = from_args(CardSettings, args)
     try:
         url = push_head(
             args.head_folder,
@@ -30,7 +18,7 @@ def cmd_push(args) -> int:
             private=args.private,
             revision=args.revision,
             create_pr=args.create_pr,
-            results=_card_results(args.results, args.method),
+            results=load_card_results(settings.results, settings.method),
             endpoint=args.endpoint,
             base_model=args.base_model,
         )
@@ -42,17 +30,20 @@ def cmd_push(args) -> int:
 
 
 def cmd_card(args) -> int:
-    import json
     from pathlib import Path
 
-    from .bench import card_results
-    from .hub import is_head_folder, render_model_card
+    from .hub import is_head_folder, load_card_results, render_model_card
 
+    settings = from_args(CardSettings, args)
     ok, reason = is_head_folder(args.head_folder)
     if not ok:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    results = card_results(json.loads(Path(args.results).read_text()), args.method) if args.results else None
+    try:
+        results = load_card_results(settings.results, settings.method)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     card = render_model_card(args.head_folder, args.repo_id, results=results)
     (Path(args.head_folder) / "README.md").write_text(card, encoding="utf-8")
     print(f"wrote {Path(args.head_folder) / 'README.md'}")
@@ -63,8 +54,7 @@ def register(subparsers) -> None:
     card = subparsers.add_parser("card", help="write a head folder's README.md model card from a bench report")
     card.add_argument("head_folder", metavar="HEAD_FOLDER")
     card.add_argument("repo_id", metavar="REPO_ID")
-    card.add_argument("--results", default=None, help="JSON written by `hf-dflash2 bench`")
-    card.add_argument("--method", default="dflash2_fast", help="which bench method's numbers go in the card")
+    add_arguments(card, CardSettings)
     card.set_defaults(func=cmd_card)
 
     push = subparsers.add_parser(
@@ -75,11 +65,10 @@ def register(subparsers) -> None:
     )
     push.add_argument("head_folder", metavar="HEAD_FOLDER", help="folder with config.json and model.safetensors")
     push.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. your-name/Qwen3-8B-dflash2")
-    push.add_argument("--method", default="dflash2_fast", help="with a bench report as --results: whose numbers to show")
+    add_arguments(push, CardSettings)
     push.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
     push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
-    push.add_argument("--results", default=None, metavar="PATH", help="benchmark JSON for the card's acceptance-length table")
     push.add_argument("--base-model", default=None, help="target model id for the card, if config.json has no base_model")
     push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
     push.set_defaults(func=cmd_push)

@@ -1,0 +1,113 @@
+"""Settings of the ``bench``, ``demo`` and ``push``/``card`` commands as dataclasses.
+
+The command line is derived from them (``add_arguments``), so its defaults and the Python API's cannot
+disagree, and the values are checked when a settings object is built (named errors, before any model load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+BENCH_METHODS = ("ar", "dflash2_generate", "dflash2_fast", "dflash1_fast", "prompt_lookup", "native_dflash")
+
+
+class InvalidSamplingError(ValueError):
+    """A temperature, top-k or top-p outside its range."""
+
+
+def validate_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """temperature >= 0 (0 = greedy), top_k >= 1 or None, 0 < top_p <= 1 or None; raises naming the value."""
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise InvalidSamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise InvalidSamplingError(f"top_k must be an integer >= 1 (or None for no top-k), got {top_k!r}")
+    if top_p is not None and (not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
+        raise InvalidSamplingError(f"top_p must be in (0, 1] (or None for no top-p), got {top_p!r}")
+
+
+@dataclass
+class SamplingSettings:
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples (lossless)"})
+    top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling mass in (0, 1]"})
+
+    def __post_init__(self):
+        validate_sampling(self.temperature, self.top_k, self.top_p)
+
+
+@dataclass
+class BenchSettings(SamplingSettings):
+    target: str | None = field(default=None, metadata={"help": "target folder or Hub id (default: offline SmolLM2)"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside --target"})
+    head: str | None = field(default=None, metadata={"help": "dFlash 2 head folder (default: heads/ of a checkout)"})
+    dflash1_head: str | None = field(default=None, metadata={"help": "DFlash-1 head folder (same budget)"})
+    sets: str = field(default="mtbench,humaneval", metadata={"help": "comma-separated prompt sets"})
+    limit: int = field(default=10, metadata={"help": "prompts per set"})
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    methods: str = field(default=",".join(BENCH_METHODS), metadata={"help": "comma-separated methods"})
+    chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
+    seed: int = 0
+    output: str = "benchmarks/results"
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("limit", "max_new_tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        unknown = sorted(set(self.methods.split(",")) - set(BENCH_METHODS))
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from {list(BENCH_METHODS)}")
+
+
+@dataclass
+class DemoSettings(SamplingSettings):
+    head: str | None = field(default=None, metadata={"help": "head folder (default: heads/ of a checkout)"})
+    max_new_tokens: int = 128
+    chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class CardSettings:
+    method: str = field(default="dflash2_fast", metadata={"help": "with a bench report: whose numbers the card shows"})
+    results: str | None = field(default=None, metadata={"help": "JSON written by `hf-dflash2 bench`"})
+
+    def __post_init__(self):
+        if self.method not in BENCH_METHODS:
+            raise ValueError(f"unknown method {self.method!r}; choose from {list(BENCH_METHODS)}")
+
+
+def _argument_type(field_type: str):
+    for name, kind in (("int", int), ("float", float)):
+        if field_type.startswith(name):
+            return kind
+    return str
+
+
+def add_arguments(parser: argparse.ArgumentParser, settings_class, skip: tuple[str, ...] = ()) -> None:
+    """One ``--flag`` per dataclass field, with the field's default, type and help."""
+    for item in dataclasses.fields(settings_class):
+        if item.name in skip:
+            continue
+        flag = "--" + item.name.replace("_", "-")
+        help_text = item.metadata.get("help", "")
+        if "default" not in help_text:
+            help_text = f"{help_text} (default: {item.default})" if help_text else f"default: {item.default}"
+        parser.add_argument(flag, type=_argument_type(str(item.type)), default=item.default, help=help_text)
+
+
+def from_args(settings_class, args: argparse.Namespace):
+    """The settings object of parsed arguments; a bad value becomes a command-line error naming it."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_class) if hasattr(args, f.name)}
+    try:
+        return settings_class(**values)
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
