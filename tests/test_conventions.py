@@ -272,3 +272,62 @@ def test_cli_rejects_bad_sampling_and_template_before_loading(tmp_path, monkeypa
 
     with pytest.raises(ChatTemplateError, match="nope.jinja"):
         main(["demo", "--head", str(head), "--chat-template", str(tmp_path / "nope.jinja")])
+
+
+# ----------------------------------------------------------------------------------------- fresh heads
+
+
+def trained_like_gemma3(vocab_size: int = 64):
+    """A tiny Gemma3 whose tied embeddings and final-norm offsets have a trained model's magnitudes (a random
+    init has zero offsets and tiny embeddings, which hide how a fresh head starts)."""
+    target = tiny_target("gemma3", vocab_size=vocab_size)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.copy_(torch.randn(target.model.embed_tokens.weight.shape, generator=generator) * 0.2)
+        target.model.norm.weight.copy_(3.0 + 0.5 * torch.randn(64, generator=generator))
+    assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # tied, as Gemma
+    return target
+
+
+def test_output_scale_reads_gemmas_offset_norm():
+    from hf_dflash2.modeling_dflash2 import target_output_scale
+
+    gemma = trained_like_gemma3()
+    assert torch.allclose(target_output_scale(gemma, 64), 1.0 + gemma.model.norm.weight, atol=1e-5)
+    llama = tiny_target("llama")
+    with torch.no_grad():
+        llama.model.norm.weight.uniform_(0.5, 2.0)
+    assert torch.allclose(target_output_scale(llama, 64), llama.model.norm.weight, atol=1e-5)
+
+
+def test_for_target_builds_a_fresh_head_like_the_config():
+    from hf_dflash2 import DFlash2Config, DFlash2DraftModel
+
+    target = tiny_target("qwen3").to(torch.float64)
+    drafter = DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4)
+    assert drafter.dtype == torch.float64 and drafter.config.block_size == 8 and drafter.candidate_selector is not None
+    assert drafter.config.to_dict() == DFlash2Config.for_target(target.config, block_size=8, mask_token_id=1,
+                                                                selector_rank=16, selector_top_k=4).to_dict()
+    again = DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4)
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
+    drafter.bind_target(target)  # sized for the target: binds without complaint
+
+
+def test_gemma3_fresh_head_first_training_loss_within_the_uniform_bound(tmp_path):
+    """A fresh head's first loss is about a uniform guess's (it was 14x on this target before the fix)."""
+    import math
+
+    from hf_dflash2 import DFlash2DraftModel
+    from hf_dflash2.training.trainer import Trainer, TrainingConfig
+
+    from .test_training import toy_sequences
+
+    target = trained_like_gemma3(vocab_size=64)
+    drafter = DFlash2DraftModel.for_target(target, block_size=4, mask_token_id=1, selector_rank=16, selector_top_k=4)
+    assert drafter.config.input_embedding_scale == pytest.approx(8.0)  # sqrt(H): Gemma's embedding scale
+    config = TrainingConfig(output_dir=str(tmp_path), steps=1, batch_size=2, anchors_per_sequence=6,
+                            checkpoint_every=10, vocab_subset="full")
+    first = Trainer(target, drafter, toy_sequences(vocab=64), config).train_step()
+    uniform = math.log(64) + config.selector_weight * math.log(4)  # unary over V, selector over K
+    assert first["loss"] <= 1.15 * uniform, (first, uniform)
+    assert first["unary_loss"] <= 1.15 * math.log(64), first

@@ -369,6 +369,26 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.rotary_emb = DFlash2RotaryEmbedding(config)
         self.post_init()
 
+    @classmethod
+    def for_target(cls, target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True,
+                   seed: int | None = 0, **config_kwargs) -> "DFlash2DraftModel":
+        """A fresh head for ``target`` (any Hugging Face causal LM), in its dtype and on its device, unbound.
+
+        The config comes from ``DFlash2Config.for_target(target.config, ...)`` (``config_kwargs`` go there).
+        The output norm starts at the target's final-norm scale, read off the module itself so that offset
+        conventions (Gemma's ``1 + w``) come out right, and damped so that the head's first predictions
+        are no sharper than a uniform guess (see ``calibrated_output_scale``). Same seed -> same weights.
+        """
+        config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size,
+                                          dflash2=dflash2, **config_kwargs)
+        if seed is not None:
+            torch.manual_seed(seed)
+        embed = target.get_input_embeddings().weight
+        drafter = cls(config).to(device=embed.device, dtype=embed.dtype)
+        with torch.no_grad():
+            drafter.norm.weight.copy_(calibrated_output_scale(drafter, target))
+        return drafter
+
     # ------------------------------------------------------------------ binding to a target
     def bind_target(self, target) -> "DFlash2DraftModel":
         """Attach the target's embedding and LM head (frozen, not saved). Validates before any compute.
@@ -617,6 +637,42 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
         return result
+
+
+def target_output_scale(target, hidden_size: int) -> torch.Tensor:
+    """The per-channel scale of the target's final norm, [H]: its output for an all-ones input.
+
+    Probing the module covers every convention (Llama's ``w``, Gemma's ``1 + w``); ones when the target
+    has no recognisable final norm.
+    """
+    final_norm = getattr(getattr(target, "model", None), "norm", None)
+    weight = getattr(final_norm, "weight", None)
+    if final_norm is None or weight is None or weight.shape != (hidden_size,):
+        return torch.ones(hidden_size)
+    with torch.no_grad():
+        probe = torch.ones(1, hidden_size, dtype=torch.float32, device=weight.device)
+        rms_correction = (1.0 + getattr(final_norm, "eps", getattr(final_norm, "variance_epsilon", 0.0))) ** 0.5
+        return final_norm(probe.to(weight.dtype)).float()[0].cpu() * rms_correction
+
+
+@torch.no_grad()
+def calibrated_output_scale(drafter: "DFlash2DraftModel", target) -> torch.Tensor:
+    """The fresh head's output-norm scale, [H]: the target's, times a factor <= 1.
+
+    Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
+    the residual, so its output points along that embedding; with a tied LM head the mask token then gets
+    a logit far above every other token (a first training loss many times the uniform one, worst on
+    Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
+    which puts the first loss at about the uniform guess; training grows the scale back.
+    """
+    scale = target_output_scale(target, drafter.config.hidden_size)
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale
+    direction = mask_row * torch.rsqrt(mask_row.pow(2).mean() + drafter.config.rms_norm_eps)
+    logits = F.linear((direction * scale).to(device=head.device, dtype=head.dtype), head)
+    spread = float((logits.float() - logits.float().mean()).abs().max())
+    return scale * min(1.0, 1.0 / spread) if spread > 0 else scale
 
 
 class DFlashDraftModel(DFlash2DraftModel):
