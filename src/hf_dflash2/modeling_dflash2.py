@@ -452,8 +452,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             self.__dict__["_draft_vocab"] = None
             return self
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
-        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size:
-            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size}), got {ids.numel()} ids")
+        if ids.numel() == 0:
+            raise ValueError("the draft vocabulary is empty")
+        outside = ids[(ids < 0) | (ids >= self.config.vocab_size)]
+        if outside.numel():
+            raise ValueError(
+                f"draft vocabulary ids must lie in [0, {self.config.vocab_size}); {outside.numel()} do not, "
+                f"e.g. {outside[:5].tolist()}"
+            )
         self.__dict__["_draft_vocab"] = ids
         self.__dict__.pop("_draft_head", None)
         return self
@@ -600,18 +606,24 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     # ------------------------------------------------------------------ saving
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
-        """As ``PreTrainedModel.from_pretrained``; also reads the optional ``draft_vocab.json``."""
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        from transformers.utils import cached_file
+        """As ``PreTrainedModel.from_pretrained``; also reads the optional ``draft_vocab.json``.
 
+        Raises ``HeadFileError`` naming the file for a ``config.json`` without the ``dflash_config`` fields,
+        a truncated ``model.safetensors`` and a ``draft_vocab.json`` with ids outside the vocabulary.
+        """
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
-        path = cached_file(
-            pretrained_model_name_or_path, DRAFT_VOCAB_FILE, _raise_exceptions_for_missing_entries=False,
-            _raise_exceptions_for_connection_errors=False, **hub_kwargs,
-        )
+        if "config" not in kwargs:
+            check_head_config(_head_file(pretrained_model_name_or_path, "config.json", hub_kwargs))
+        check_safetensors_complete(_head_file(pretrained_model_name_or_path, "model.safetensors", hub_kwargs))
+        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        path = _head_file(pretrained_model_name_or_path, DRAFT_VOCAB_FILE, hub_kwargs)
         if path:
-            with open(path, encoding="utf-8") as handle:
-                model.set_draft_vocab(json.load(handle)["token_ids"])
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    token_ids = json.load(handle)["token_ids"]
+                model.set_draft_vocab(token_ids)
+            except (ValueError, KeyError, TypeError) as error:
+                raise HeadFileError(f"{path}: not a valid draft vocabulary ({error})") from None
         return model
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -637,6 +649,56 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
         return result
+
+
+class HeadFileError(ValueError):
+    """A head file that is incomplete or inconsistent; the message names the file and the problem."""
+
+
+REQUIRED_DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
+
+
+def _head_file(name_or_path, filename: str, hub_kwargs: dict) -> str | None:
+    from transformers.utils import cached_file
+
+    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
+
+
+def check_head_config(path: str | None) -> None:
+    """A head's ``config.json`` must carry the ``dflash_config`` fields that no default can stand in for."""
+    if path is None:
+        return  # from_pretrained reports the missing file itself
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, ValueError) as error:
+        raise HeadFileError(f"{path}: cannot read the config ({error})") from None
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise HeadFileError(f"{path}: no dflash_config block, so this is not a DFlash / dFlash 2 head")
+    missing = [name for name in REQUIRED_DFLASH_FIELDS if name not in dflash]
+    if missing:
+        raise HeadFileError(f"{path}: dflash_config lacks {missing} (it has {sorted(dflash)})")
+
+
+def check_safetensors_complete(path: str | None) -> None:
+    """The file must be as long as its header says (an interrupted copy or download is shorter)."""
+    if path is None:
+        return
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        header_length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_length < 2 or 8 + header_length > size:
+            raise HeadFileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        try:
+            header = json.loads(handle.read(header_length))
+        except ValueError:
+            raise HeadFileError(f"{path}: unreadable safetensors header ({size} bytes)") from None
+    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
+    if 8 + header_length + end > size:
+        raise HeadFileError(f"{path}: truncated: the header needs {8 + header_length + end} bytes, the file has {size}")
 
 
 def target_output_scale(target, hidden_size: int) -> torch.Tensor:
@@ -683,4 +745,4 @@ class DFlashDraftModel(DFlash2DraftModel):
 DFlash2DraftModel.register_for_auto_class("AutoModel")
 
 
-__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlash2PreTrainedModel", "DraftOutput", "SelectorOutput"]
+__all__ = ["DFlash2DraftModel", "DFlashDraftModel", "DFlash2PreTrainedModel", "DraftOutput", "HeadFileError", "SelectorOutput"]
