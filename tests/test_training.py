@@ -43,7 +43,7 @@ def test_blocks_and_anchors():
     seq = {"input_ids": list(range(10, 30)), "response_start": 5}
     anchors = sample_anchors(20, 5, 100, torch.Generator().manual_seed(0))
     assert anchors.min() >= 5 and anchors.max() <= 18 and len(anchors) == 14
-    block_ids, labels, predecessors = sequence_blocks(seq, 4, torch.tensor([5, 17]), mask_token_id=1)
+    block_ids, labels, predecessors = sequence_blocks(torch.tensor(seq["input_ids"]), 4, torch.tensor([5, 17]), mask_token_id=1)
     assert block_ids.tolist() == [[15, 1, 1, 1], [27, 1, 1, 1]]
     assert labels.tolist() == [[16, 17, 18], [28, 29, -100]]
     assert predecessors.tolist() == [[15, 16, 17], [27, 28, 29]]

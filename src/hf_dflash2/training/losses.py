@@ -21,6 +21,24 @@ def position_weights(num_positions: int, gamma: float, device=None) -> torch.Ten
     return torch.exp(-torch.arange(num_positions, device=device, dtype=torch.float32) / gamma)
 
 
+def sparse_cross_entropy(
+    logits: torch.Tensor, target_ids: torch.Tensor, target_logprobs: torch.Tensor, vocab_subset: torch.Tensor | None
+) -> torch.Tensor:
+    """-sum_j p_j log q(j) over the target's top-k: logits [M, P, V'] (V' = subset), target_* [M, P, k] -> [M, P].
+
+    p is the target's top-k distribution renormalised over the ids present in the subset; with k = V and
+    no subset this is the full cross-entropy to the target, i.e. KL(p || q) + H(p).
+    """
+    log_q = logits.float().log_softmax(-1)
+    if vocab_subset is None:
+        local, present = target_ids, torch.ones_like(target_ids, dtype=torch.bool)
+    else:
+        local = torch.searchsorted(vocab_subset, target_ids).clamp(max=len(vocab_subset) - 1)
+        present = vocab_subset[local] == target_ids
+    weights = torch.where(present, target_logprobs.float(), float("-inf")).softmax(-1).nan_to_num(0.0)
+    return -(weights * log_q.gather(-1, local)).sum(-1)
+
+
 def block_loss(
     drafter,
     hidden: torch.Tensor,
@@ -29,6 +47,7 @@ def block_loss(
     gamma: float,
     vocab_subset: torch.Tensor | None = None,
     selector_weight: float = 1.0,
+    soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a set of blocks.
 
@@ -36,6 +55,9 @@ def block_loss(
     (-100 = ignore); predecessors: [M, P] true previous token (the anchor at position 1).
     ``vocab_subset`` ([V'] sorted token ids containing every label) restricts the softmax to the tokens
     that occur in the data, which is what makes CPU training affordable; None = full vocabulary.
+    ``soft_targets`` = (ids, logprobs) [M, P, k]: the target's top-k distribution; the unary loss is then
+    the cross-entropy to it renormalised over the top-k (KL to the target up to a constant); ids outside
+    ``vocab_subset`` are dropped. The selector keeps the hard ``labels``.
     """
     valid = labels >= 0
     weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
@@ -48,7 +70,10 @@ def block_loss(
     logits = drafter.finish_logits(F.linear(hidden, head.to(hidden.dtype), bias))
     safe_labels = labels.clamp_min(0)
     local_labels = safe_labels if vocab_subset is None else torch.searchsorted(vocab_subset, safe_labels)
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="none").view_as(labels)
+    if soft_targets is None:
+        ce = F.cross_entropy(logits.flatten(0, 1).float(), local_labels.flatten(), reduction="none").view_as(labels)
+    else:
+        ce = sparse_cross_entropy(logits, *soft_targets, vocab_subset)
     unary_loss = (ce * weights).sum() / norm
     with torch.no_grad():
         top1 = logits.argmax(-1) == local_labels

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tqdm.auto import tqdm
 class RegenerationConfig:
     max_prompt_tokens: int = 256
     max_new_tokens: int = 192
-    batch_size: int = 48
+    batch_size: int = 64
     do_sample: bool = False
     temperature: float = 1.0
     seed: int = 0
@@ -90,6 +91,7 @@ def regenerate(
     eos_ids = set(eos_ids if isinstance(eos_ids, list) else [eos_ids]) | {tokenizer.eos_token_id}
     device = next(target.parameters()).device
     progress = tqdm(total=len(todo), desc="regenerate", unit="prompt", initial=0)
+    started, new_tokens = time.perf_counter(), 0
     for start in range(0, len(todo), config.batch_size):
         batch = todo[start : start + config.batch_size]
         width = max(len(ids) for _, ids in batch)
@@ -110,13 +112,16 @@ def regenerate(
             pad_token_id=pad_id,
         )[:, width:].tolist()
         lines = []
-        for (prompt_id, prompt_ids), response in zip(batch, out):
+        for row, ((prompt_id, prompt_ids), response) in enumerate(zip(batch, out)):
             cut = next((i + 1 for i, t in enumerate(response) if t in eos_ids), len(response))
+            out[row] = response[:cut]
             lines.append(json.dumps({"id": prompt_id, "prompt_ids": prompt_ids, "response_ids": response[:cut]}) + "\n")
         with open(output_path, "a", encoding="utf-8") as handle:
             handle.write("".join(lines))
             handle.flush()
             os.fsync(handle.fileno())
+        new_tokens += sum(len(r) for r in out)
         progress.update(len(batch))
+        progress.set_postfix(tok_per_s=f"{new_tokens / (time.perf_counter() - started):.0f}")
     progress.close()
     return output_path

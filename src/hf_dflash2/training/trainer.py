@@ -48,8 +48,9 @@ class TrainingConfig:
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
+    label_source: str = "data"  # "data" tokens, the target's "argmax", or "kl" to its top-k (store only)
     seed: int = 0
-    mixed_precision: str = "no"  # accelerate's: "no", "bf16", "fp16"
+    mixed_precision: str = "no"  # accelerate's: "no", "bf16", "fp16" (the CLI resolves "auto")
     checkpoint_every: int = 50
     eval_every: int = 0
     eval_prompts: int = 4
@@ -57,6 +58,20 @@ class TrainingConfig:
     log_every: int = 10
     cache_features: bool = True  # keep each sequence's tapped features after its first target forward
     extra: dict = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Named errors before any model is loaded."""
+        if self.label_source not in ("data", "argmax", "kl"):
+            raise ValueError(f"label_source must be 'data', 'argmax' or 'kl', got {self.label_source!r}")
+        if self.vocab_subset not in ("data", "full"):
+            raise ValueError(f"vocab_subset must be 'data' or 'full', got {self.vocab_subset!r}")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16' here, got {self.mixed_precision!r}")
+        for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
 
 def load_sequences(path: str | Path, max_length: int) -> list[dict]:
@@ -74,6 +89,18 @@ def load_sequences(path: str | Path, max_length: int) -> list[dict]:
     return sequences
 
 
+def store_sequences(store, max_length: int) -> list[dict]:
+    """The store's sequences as ``{"store_index", "num_tokens", "response_start"}`` (arrays stay on disk)."""
+    sequences = []
+    for index, (length, response_start) in enumerate(store.sequence_lengths()):
+        length = min(length, max_length)
+        if length - response_start >= 2:
+            sequences.append({"store_index": index, "num_tokens": length, "response_start": response_start})
+    if not sequences:
+        raise ValueError(f"store {store.root}: no sequence with a response of at least 2 tokens within max_length={max_length}")
+    return sequences
+
+
 def sample_anchors(num_tokens: int, response_start: int, count: int, generator: torch.Generator) -> torch.Tensor:
     """Distinct random anchor positions in [response_start, num_tokens - 2], sorted."""
     candidates = num_tokens - 1 - response_start
@@ -81,9 +108,8 @@ def sample_anchors(num_tokens: int, response_start: int, count: int, generator: 
     return (picks + response_start).sort().values
 
 
-def sequence_blocks(sequence: dict, block_size: int, anchors: torch.Tensor, mask_token_id: int):
-    """Block ids [n, B], labels [n, B-1] (-100 past the end), predecessors [n, B-1]."""
-    ids = torch.tensor(sequence["input_ids"])
+def sequence_blocks(ids: torch.Tensor, block_size: int, anchors: torch.Tensor, mask_token_id: int):
+    """ids: [T] tokens -> block ids [n, B], labels [n, B-1] (-100 past the end), predecessors [n, B-1]."""
     offsets = torch.arange(block_size)
     index = anchors[:, None] + offsets[None]  # [n, B]
     inside = index < len(ids)
@@ -95,11 +121,46 @@ def sequence_blocks(sequence: dict, block_size: int, anchors: torch.Tensor, mask
     return block_ids, labels, predecessors
 
 
+def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int, label_source: str):
+    """Labels from the target's own next-token distribution at each block position.
+
+    Position k of the block after anchor a is predicted by the target at a + k - 1. Returns labels
+    [n, B-1] (its argmax; -100 past the end), predecessors [n, B-1] (the anchor, then the previous
+    label, so the selector learns the target's chain) and, for ``"kl"``, (topk_ids, topk_logprobs)
+    [n, B-1, k] soft targets.
+    """
+    length = len(item["input_ids"])
+    index = anchors[:, None] + torch.arange(block_size - 1)  # the position predicting each block token
+    inside = index + 1 < length
+    safe = index.clamp(max=length - 1)
+    labels = torch.where(inside, item["topk_ids"][safe, 0], torch.full_like(index, -100))
+    predecessors = torch.cat([item["input_ids"][anchors][:, None], labels[:, :-1].clamp_min(0)], dim=1)
+    soft = None
+    if label_source == "kl":
+        soft = (item["topk_ids"][safe], torch.where(inside[..., None], item["topk_logprobs"][safe], float("-inf")))
+    return labels, predecessors, soft
+
+
 class Trainer:
-    def __init__(self, target, drafter: DFlash2DraftModel, sequences: list[dict], config: TrainingConfig, accelerator=None, eval_prompts=None):
+    def __init__(
+        self,
+        target,
+        drafter: DFlash2DraftModel,
+        sequences: list[dict],
+        config: TrainingConfig,
+        accelerator=None,
+        eval_prompts=None,
+        store=None,
+    ):
+        """``sequences``: regenerated records (``input_ids``, ``response_start``; the target runs online) or,
+        with a ``store`` (``training.store.FeatureStore``), ``store_sequences(store)`` entries."""
         from accelerate import Accelerator
 
+        config.validate()
+        if store is None and config.label_source != "data":
+            raise ValueError(f"label_source={config.label_source!r} needs a feature store (the target's top-k labels)")
         self.config = config
+        self.store = store
         self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
         self.target = target.to(self.accelerator.device).eval().requires_grad_(False)
         drafter = drafter.to(self.accelerator.device)
@@ -108,11 +169,11 @@ class Trainer:
         self.eval_prompts = eval_prompts or []
         self.gamma = decay_gamma(drafter.config.block_size)
         self.vocab_subset = None
-        if config.vocab_subset == "data":
+        if config.vocab_subset == "data" and store is not None:
+            self.vocab_subset = store.response_vocabulary().to(self.accelerator.device)
+        elif config.vocab_subset == "data":
             tokens = sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
             self.vocab_subset = torch.tensor(tokens, device=self.accelerator.device)
-        elif config.vocab_subset != "full":
-            raise ValueError(f"vocab_subset must be 'data' or 'full', got {config.vocab_subset!r}")
         optimizer = torch.optim.AdamW(
             [p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95)
         )
@@ -149,11 +210,15 @@ class Trainer:
         drafter = self.accelerator.unwrap_model(self.drafter)
         cfg = drafter.config
         device = self.accelerator.device
-        sequence = self.sequences[index]
+        item = self.sequence_item(index)
+        ids = item["input_ids"]
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 7919 + index)
-        anchors = sample_anchors(len(sequence["input_ids"]), sequence["response_start"], self.config.anchors_per_sequence, generator)
-        block_ids, labels, predecessors = sequence_blocks(sequence, cfg.block_size, anchors, cfg.mask_token_id)
-        features = self.target_features(index)
+        anchors = sample_anchors(len(ids), item["response_start"], self.config.anchors_per_sequence, generator)
+        block_ids, labels, predecessors = sequence_blocks(ids, cfg.block_size, anchors, cfg.mask_token_id)
+        soft = None
+        if self.config.label_source != "data":
+            labels, predecessors, soft = target_labels_for_blocks(item, anchors, cfg.block_size, self.config.label_source)
+        features = item["features"].to(device)
         num_tokens = features.shape[1]
         positions = torch.arange(num_tokens, device=device)[None]
         anchors = anchors.to(device)[None]
@@ -170,6 +235,8 @@ class Trainer:
                 embeds, block_positions, mask, context_features=features, context_positions=positions, sliding_attention_mask=sliding
             )[0, :, 1:]  # [n, B-1, H]
             keep = self.config.loss_positions or hidden.shape[1]
+            if soft is not None:
+                soft = tuple(t[:, :keep].to(device) for t in soft)
             return block_loss(
                 drafter,
                 hidden[:, :keep],
@@ -178,7 +245,23 @@ class Trainer:
                 self.gamma,
                 self.vocab_subset,
                 self.config.selector_weight if cfg.use_selector else 0.0,
+                soft_targets=soft,
             )
+
+    def sequence_item(self, index: int) -> dict:
+        """``input_ids`` [T], ``response_start``, ``features`` [1, T, taps*H] (+ ``topk_*`` from a store)."""
+        sequence = self.sequences[index]
+        if self.store is None:
+            return {
+                "input_ids": torch.tensor(sequence["input_ids"]),
+                "response_start": sequence["response_start"],
+                "features": self.target_features(index),
+            }
+        item = self.store[sequence["store_index"]]
+        length = sequence["num_tokens"]
+        item = {name: value[:length] if torch.is_tensor(value) else value for name, value in item.items()}
+        item["features"] = item["features"][None]
+        return item
 
     @torch.no_grad()
     def target_features(self, index: int) -> torch.Tensor:
@@ -296,7 +379,7 @@ class Trainer:
         started, positions = time.perf_counter(), 0
         while self.step < last:
             record = self.train_step()
-            positions += self.config.anchors_per_sequence * self.config.batch_size * (self.config.loss_positions or 15)
+            positions += self.config.anchors_per_sequence * self.config.batch_size * (self.config.loss_positions or self.accelerator.unwrap_model(self.drafter).config.block_size - 1)
             record["positions_per_s"] = positions / (time.perf_counter() - started)
             if self.config.eval_every and self.step % self.config.eval_every == 0 and self.accelerator.is_main_process:
                 record.update(self.evaluate())

@@ -1,0 +1,313 @@
+"""``hf-dflash2 regenerate | store | train``: the training side of the command line.
+
+Defaults come from the dataclasses (``RegenerationConfig``, ``TrainingConfig``), so the command line and
+the Python API cannot disagree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+from dataclasses import fields
+from pathlib import Path
+
+from .regenerate import RegenerationConfig
+from .trainer import TrainingConfig
+
+logger = logging.getLogger("hf_dflash2")
+
+PRECISION_HELP = "auto (default): bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32 / fp16"
+
+
+def _defaults(cls) -> dict:
+    return {f.name: f.default for f in fields(cls)}
+
+
+def _add_target_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=None, help="target folder or Hub id (default: offline SmolLM2-135M-Instruct)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
+
+
+def _layer_ids(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--target-layer-ids {text!r}: expected comma-separated integers, e.g. 1,7,14,20,27") from None
+
+
+def _load_target(args, precision: str):
+    import torch
+
+    from ..assets import load_target
+    from ..precision import resolve_dtype
+
+    dtype = resolve_dtype(precision)
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype)
+    return target, tokenizer, dtype
+
+
+def _load_prompts(source: str | None, seed: int):
+    from ..assets import load_jsonl_prompts, load_sharegpt_prompts
+    from .store import drop_evaluation_prompts
+
+    if source in (None, "sharegpt"):
+        prompts, report = load_sharegpt_prompts()
+    else:
+        prompts, report = load_jsonl_prompts(source)
+    prompts = drop_evaluation_prompts(prompts, report)
+    logger.info("prompts from %s: %s", source or "sharegpt", report)
+    random.Random(seed).shuffle(prompts)
+    return prompts
+
+
+# ---------------------------------------------------------------------- regenerate
+def cmd_regenerate(args) -> int:
+    from .regenerate import regenerate
+
+    config = RegenerationConfig(
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    if config.batch_size < 1 or config.max_new_tokens < 1:
+        raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
+    prompts = _load_prompts(args.prompts, args.seed)
+    target, tokenizer, _ = _load_target(args, args.mixed_precision)
+    regenerate(target, tokenizer, prompts, args.output, config, max_records=args.limit)
+    return 0
+
+
+def _register_regenerate(sub) -> None:
+    d = _defaults(RegenerationConfig)
+    p = sub.add_parser("regenerate", help="write the target's own responses to a prompt set (resumable)")
+    _add_target_args(p)
+    p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (offline package) or a JSONL of chats/prompts")
+    p.add_argument("--output", required=True)
+    p.add_argument("--limit", type=int, default=None, help="stop after this many records in the file")
+    p.add_argument("--max-prompt-tokens", type=int, default=d["max_prompt_tokens"])
+    p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"])
+    p.add_argument("--batch-size", type=int, default=d["batch_size"])
+    p.add_argument("--do-sample", action="store_true")
+    p.add_argument("--temperature", type=float, default=d["temperature"])
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
+    p.set_defaults(func=cmd_regenerate)
+
+
+# ---------------------------------------------------------------------- store
+def cmd_store(args) -> int:
+    from ..precision import PRECISION_CHOICES
+    from .store import (
+        FeatureStore,
+        StoreMeta,
+        build_store,
+        drop_evaluation_prompts,
+        encode_exchange,
+        regenerated_records,
+        sharegpt_exchanges,
+    )
+
+    if args.mixed_precision not in PRECISION_CHOICES:
+        raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
+    sources = args.source.split(",")
+    for source in sources:
+        if source != "sharegpt" and not Path(source).exists():
+            raise SystemExit(f"--source {source!r}: neither 'sharegpt' nor an existing regenerated JSONL")
+    target, tokenizer, dtype = _load_target(args, args.mixed_precision)
+    text_config = target.config.get_text_config()
+    layer_ids = _layer_ids(args.target_layer_ids)
+    if layer_ids is None:
+        from ..configuration_dflash2 import default_target_layer_ids
+
+        layer_ids = default_target_layer_ids(text_config.num_hidden_layers, 5)
+    meta = StoreMeta(
+        target=args.target or "SmolLM2-135M-Instruct (offline GGUF)",
+        target_layer_ids=layer_ids,
+        hidden_size=text_config.hidden_size,
+        vocab_size=text_config.vocab_size,
+        top_k=args.top_k,
+    )
+    store = FeatureStore(args.output, meta)
+    records = []
+    for source in sources:
+        if source == "sharegpt":
+            exchanges, report = sharegpt_exchanges()
+            exchanges = drop_evaluation_prompts(exchanges, report)
+            random.Random(args.seed).shuffle(exchanges)
+            for exchange in exchanges:
+                encoded = encode_exchange(tokenizer, exchange["messages"], args.max_length)
+                if encoded is None:
+                    report.skip("prompt longer than --max-length")
+                    continue
+                records.append({"id": exchange["id"], **encoded})
+            logger.info("ShareGPT exchanges: %s", report)
+        else:
+            records.extend(regenerated_records(source, args.max_length))
+    logger.info("store %s: %d sequences / %d tokens already in, dtype %s", args.output, len(store), store.num_tokens, dtype)
+    build_store(
+        target,
+        records,
+        store,
+        tokens_per_batch=args.tokens_per_batch,
+        max_tokens=args.max_tokens,
+        pad_token_id=tokenizer.pad_token_id or 0,
+    )
+    logger.info("store %s: %d sequences, %d tokens", args.output, len(store), store.num_tokens)
+    return 0
+
+
+def _register_store(sub) -> None:
+    p = sub.add_parser("store", help="run the target once over training text: tapped features + top-k labels (resumable)")
+    _add_target_args(p)
+    p.add_argument("--output", required=True, help="store folder (created, or appended to)")
+    p.add_argument("--source", default="sharegpt", help="comma-separated: 'sharegpt' and/or regenerated JSONL files")
+    p.add_argument("--max-tokens", type=int, default=1_000_000, help="stop when the store holds this many tokens")
+    p.add_argument("--max-length", type=int, default=512, help="tokens per sequence (prompt + response)")
+    p.add_argument("--top-k", type=int, default=32, help="target log-probabilities kept per position")
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: 5 evenly spaced)")
+    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_store)
+
+
+# ---------------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    import torch
+
+    from ..assets import load_humaneval_prompts
+    from ..precision import PRECISION_CHOICES, resolve_precision
+    from .regenerate import encode_prompts
+    from .trainer import Trainer, load_sequences, store_sequences
+
+    if args.mixed_precision not in PRECISION_CHOICES:
+        raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
+    if (args.data is None) == (args.store is None):
+        raise SystemExit("give exactly one of --data (regenerated JSONL) or --store (feature store folder)")
+    source = args.data or args.store
+    if not Path(source).exists():
+        raise SystemExit(f"{source}: no such file or folder (run `hf-dflash2 regenerate` or `hf-dflash2 store` first)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    precision = resolve_precision(args.mixed_precision)
+    config = TrainingConfig(
+        output_dir=args.output,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        anchors_per_sequence=args.anchors,
+        loss_positions=args.loss_positions,
+        max_length=args.max_length,
+        learning_rate=args.lr,
+        selector_weight=args.selector_weight,
+        vocab_subset=args.vocab_subset,
+        label_source=args.label_source,
+        seed=args.seed,
+        mixed_precision=precision,
+        checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
+        eval_prompts=args.eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens,
+        log_every=args.log_every,
+    )
+    config.validate()
+    store = None
+    if args.store:
+        from .store import FeatureStore
+
+        store = FeatureStore(args.store)
+        sequences = store_sequences(store, args.max_length)
+        layer_ids = store.meta.target_layer_ids
+        if args.target_layer_ids and _layer_ids(args.target_layer_ids) != layer_ids:
+            raise SystemExit(f"--target-layer-ids {args.target_layer_ids} differ from the store's {layer_ids}")
+    else:
+        sequences = load_sequences(args.data, args.max_length)
+        layer_ids = _layer_ids(args.target_layer_ids)
+    if args.max_sequences:
+        sequences = sequences[: args.max_sequences]
+    # The target stays fp32 under autocast (its embedding / LM head are shared, frozen); the store
+    # already holds its features, so its forward runs only for evaluation.
+    from ..assets import load_target
+
+    target, tokenizer = load_target(args.target, args.gguf_file)
+    drafter = _new_drafter(target, args, layer_ids)
+    eval_prompts = [ids for _, ids in encode_prompts(tokenizer, load_humaneval_prompts()[: args.eval_prompts], 1024)]
+    trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
+    logger.info(
+        "training %s head: %d sequences, %d steps, precision %s, labels %s",
+        "DFlash-1" if args.dflash1 else "dFlash 2", len(sequences), args.steps, precision, args.label_source,
+    )
+    trainer.train(resume=args.resume, stop_after=args.stop_after)
+    if trainer.accelerator.is_main_process:
+        head = trainer.save_head(Path(args.output) / "head")
+        (Path(args.output) / "history.json").write_text(json.dumps(trainer.history, indent=1))
+        logger.info("head written to %s", head)
+    return 0
+
+
+def _new_drafter(target, args, layer_ids):
+    from .trainer import new_drafter_for
+
+    return new_drafter_for(
+        target,
+        num_hidden_layers=args.layers,
+        block_size=args.block_size,
+        dflash2=not args.dflash1,
+        seed=args.seed,
+        selector_rank=args.selector_rank,
+        selector_top_k=args.selector_top_k,
+        target_layer_ids=layer_ids,
+        mask_token_id=args.mask_token_id,
+    )
+
+
+def _register_train(sub) -> None:
+    d = _defaults(TrainingConfig)
+    p = sub.add_parser("train", help="train a dFlash 2 (or --dflash1) head on a feature store or regenerated data")
+    _add_target_args(p)
+    p.add_argument("--store", default=None, help="feature store folder from `hf-dflash2 store` (recommended)")
+    p.add_argument("--data", default=None, help="regenerated JSONL from `hf-dflash2 regenerate` (target runs online)")
+    p.add_argument("--output", required=True)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--selector-rank", type=int, default=256)
+    p.add_argument("--selector-top-k", type=int, default=16)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: evenly spaced)")
+    p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
+    p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
+    p.add_argument("--steps", type=int, default=d["steps"])
+    p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
+    p.add_argument("--batch-size", type=int, default=d["batch_size"])
+    p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"])
+    p.add_argument("--loss-positions", type=int, default=d["loss_positions"])
+    p.add_argument("--max-length", type=int, default=d["max_length"])
+    p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--lr", type=float, default=d["learning_rate"])
+    p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
+    p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
+    p.add_argument(
+        "--label-source", choices=["data", "argmax", "kl"], default=d["label_source"],
+        help="data tokens, the target's argmax, or sparse KL to the target's top-k (the last two need --store)",
+    )
+    p.add_argument("--mixed-precision", default=d["mixed_precision"], help=PRECISION_HELP)
+    p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"])
+    p.add_argument("--eval-every", type=int, default=d["eval_every"])
+    p.add_argument("--eval-prompts", type=int, default=d["eval_prompts"])
+    p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"])
+    p.add_argument("--log-every", type=int, default=d["log_every"])
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    p.set_defaults(func=cmd_train)
+
+
+def register(subparsers) -> None:
+    _register_regenerate(subparsers)
+    _register_store(subparsers)
+    _register_train(subparsers)
