@@ -1,0 +1,197 @@
+"""The feature/label store, precision auto-selection and the sparse KL loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dflash2 import precision
+from hf_dflash2.speculative_dflash2 import tapped_features
+from hf_dflash2.training.losses import sparse_cross_entropy
+from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, store_sequences
+
+from .conftest import REPO, tiny_drafter, tiny_target
+
+LAYERS = [1, 3, 4]
+
+
+def random_records(n=7, vocab=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    records = []
+    for i in range(n):
+        length = int(torch.randint(12, 40, (1,), generator=generator))
+        ids = torch.randint(2, vocab, (length,), generator=generator).tolist()
+        records.append({"id": f"r{i}", "input_ids": ids, "response_start": 5})
+    return records
+
+
+def meta_for(target, top_k=8):
+    return StoreMeta(target="tiny", target_layer_ids=LAYERS, hidden_size=target.config.hidden_size,
+                     vocab_size=target.config.vocab_size, top_k=top_k)
+
+
+def test_store_labels_equal_a_fresh_target_forward(tmp_path):
+    target = tiny_target(vocab_size=64)
+    records = random_records()
+    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_batch=96,
+                        tokens_per_shard=50)
+    assert len(store.shards) > 1, "the test should cover several shards"
+    reopened = FeatureStore(tmp_path / "s")
+    assert len(reopened) == len(records) and reopened.num_tokens == sum(len(r["input_ids"]) for r in records)
+    by_id = {reopened[i]["id"]: reopened[i] for i in range(len(reopened))}
+    for record in records:
+        item = by_id[record["id"]]
+        ids = torch.tensor([record["input_ids"]])
+        with torch.no_grad():
+            out = target(input_ids=ids, output_hidden_states=True)
+        features = tapped_features(out.hidden_states, LAYERS)[0]
+        logprobs = out.logits[0].float().log_softmax(-1)
+        assert item["input_ids"].tolist() == record["input_ids"]
+        assert item["response_start"] == record["response_start"]
+        torch.testing.assert_close(item["features"].float(), features.to(torch.bfloat16).float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(item["topk_ids"][:, 0], logprobs.argmax(-1))
+        expected = logprobs.gather(-1, item["topk_ids"])
+        torch.testing.assert_close(item["topk_logprobs"], expected, atol=2e-3, rtol=2e-3)
+
+
+def test_store_resumes_and_rejects_a_different_target(tmp_path):
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=6)
+    store = FeatureStore(tmp_path / "s", meta_for(target))
+    build_store(target, records[:3], store, tokens_per_shard=10)
+    build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_shard=10)
+    ids = [FeatureStore(tmp_path / "s")[i]["id"] for i in range(6)]
+    assert sorted(ids) == sorted(r["id"] for r in records)  # each record exactly once
+    with pytest.raises(ValueError, match="top_k=8"):
+        FeatureStore(tmp_path / "s", meta_for(target, top_k=4))
+    with pytest.raises(FileNotFoundError, match="not a feature store"):
+        FeatureStore(tmp_path / "nothing")
+
+
+def test_a_torn_index_line_is_dropped(tmp_path):
+    target = tiny_target(vocab_size=64)
+    build_store(target, random_records(n=4), FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_shard=10)
+    index = tmp_path / "s" / "index.jsonl"
+    whole = index.read_bytes()
+    index.write_bytes(whole + b'{"shard": 99, "tok')
+    store = FeatureStore(tmp_path / "s")
+    assert len(store) == 4 and index.read_bytes() == whole
+
+
+KILL_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {repo!r})
+    from tests.conftest import tiny_target
+    from tests.test_store import random_records, meta_for
+    from hf_dflash2.training.store import FeatureStore, build_store
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=400, seed=1)
+    build_store(target, records, FeatureStore(sys.argv[1], meta_for(target)), tokens_per_batch=64, tokens_per_shard=1)
+    """
+)
+
+
+def test_kill_9_mid_write_leaves_a_readable_store(tmp_path):
+    root = tmp_path / "s"
+    script = tmp_path / "build.py"
+    script.write_text(KILL_SCRIPT.format(repo=str(REPO)))
+    process = subprocess.Popen([sys.executable, str(script), str(root)], cwd=REPO, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    index = root / "index.jsonl"
+    while time.time() < deadline and (not index.exists() or index.read_bytes().count(b"\n") < 5):
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    store = FeatureStore(root)
+    assert len(store) >= 5
+    for i in range(len(store)):  # every committed sequence reads back whole
+        item = store[i]
+        assert item["features"].shape == (len(item["input_ids"]), len(LAYERS) * 64)
+        assert item["topk_ids"].shape == (len(item["input_ids"]), 8)
+    target = tiny_target(vocab_size=64)
+    from .test_store import random_records as records_again
+
+    stored = {store[i]["id"] for i in range(len(store))}
+    everything = records_again(n=400, seed=1)
+    records = [r for r in everything if r["id"] in stored] + [r for r in everything if r["id"] not in stored][:3]
+    build_store(target, records, FeatureStore(root), tokens_per_shard=1)
+    final = FeatureStore(root)
+    final_ids = [final[i]["id"] for i in range(len(final))]
+    assert sorted(final_ids) == sorted(r["id"] for r in records)  # resumed: the new ones once, nothing twice
+
+
+def test_sparse_kl_equals_full_kl_when_k_is_the_vocabulary():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11) * 3
+    target_logprobs = (torch.randn(3, 5, 11) * 2).log_softmax(-1)
+    ids = target_logprobs.argsort(-1, descending=True)  # top-k order, k = V
+    sparse = sparse_cross_entropy(logits, ids, target_logprobs.gather(-1, ids), None)
+    p = target_logprobs.exp()
+    full_ce = -(p * logits.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(sparse, full_ce)
+    kl = F.kl_div(logits.log_softmax(-1), target_logprobs, log_target=True, reduction="none").sum(-1)
+    torch.testing.assert_close(sparse - (-(p * target_logprobs).sum(-1)), kl)
+    # Through a vocabulary subset holding every id, nothing changes.
+    subset = torch.arange(11)
+    torch.testing.assert_close(sparse_cross_entropy(logits, ids, target_logprobs.gather(-1, ids), subset), sparse)
+    # A truncated top-k renormalises over what it kept (and so differs from the full CE).
+    top3 = sparse_cross_entropy(logits, ids[..., :3], target_logprobs.gather(-1, ids[..., :3]), None)
+    assert not torch.allclose(top3, full_ce)
+
+
+def test_auto_precision_follows_the_probe(monkeypatch, tmp_path):
+    assert precision.resolve_precision("auto", "cpu", probe=lambda: False) == "no"
+    assert precision.resolve_precision("auto", "cpu", probe=lambda: True) == "bf16"
+    assert precision.resolve_dtype("auto", "cpu", probe=lambda: False) == torch.float32
+    assert precision.resolve_precision("fp32") == "no" and precision.resolve_precision("bf16") == "bf16"
+    with pytest.raises(ValueError, match="'fast'"):
+        precision.resolve_precision("fast")
+    # A CPU whose flags say "no bf16 units" is decided without timing anything.
+    monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: False)
+    monkeypatch.setattr(precision, "time_matmul_speedup", lambda: pytest.fail("timed a CPU known to be slow"))
+    assert precision.resolve_precision("auto", "cpu") == "no"
+
+
+def test_precision_probe_cache_is_used_and_a_bad_file_is_ignored(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)
+    calls = []
+    monkeypatch.setattr(precision, "time_matmul_speedup", lambda: calls.append(1) or 3.0)
+    assert precision.cpu_bf16_is_fast() and precision.cpu_bf16_is_fast()
+    assert len(calls) == 1, "the second call must come from the cache"
+    (tmp_path / "precision.json").write_text("{not json")
+    with caplog.at_level("WARNING"):
+        assert precision.cpu_bf16_is_fast()
+    assert "ignoring unreadable precision cache" in caplog.text and len(calls) == 2
+    assert json.loads((tmp_path / "precision.json").read_text())  # rewritten whole
+
+
+@pytest.mark.parametrize("label_source", ["argmax", "kl"])
+def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source):
+    from .test_training import toy_sequences
+
+    target = tiny_target(vocab_size=64)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(25.0)
+    records = [{"id": str(i), **s} for i, s in enumerate(toy_sequences())]
+    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target, top_k=8)))
+    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=LAYERS)
+    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=30, batch_size=2, anchors_per_sequence=6,
+                            checkpoint_every=100, learning_rate=3e-3, mixed_precision="bf16", label_source=label_source)
+    trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
+    history = trainer.train()
+    first, last = sum(h["loss"] for h in history[:5]) / 5, sum(h["loss"] for h in history[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    with pytest.raises(ValueError, match="needs a feature store"):
+        Trainer(target, drafter, records, TrainingConfig(output_dir=str(tmp_path / "x"), label_source="kl"))
