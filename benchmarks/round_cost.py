@@ -22,7 +22,8 @@ from _common import interleaved, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_target  # noqa: E402
-from hf_dflash2.prompts import encode_prompt as encode, left_pad  # noqa: E402
+from hf_dflash2.prompts import encode_prompt as encode  # noqa: E402
+from hf_dflash2.prompts import left_pad  # noqa: E402
 from hf_dflash2.training.trainer import new_drafter_for  # noqa: E402
 
 GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)

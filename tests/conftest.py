@@ -14,8 +14,8 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"  # copies of shared/refe
 
 def tiny_target(arch: str = "llama", vocab_size: int = 96, hidden_size: int = 64, layers: int = 6, seed: int = 0, **overrides):
     from transformers import (
-        Gemma3TextConfig,
         Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
         MistralConfig,

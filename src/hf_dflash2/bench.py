@@ -27,7 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
-from .prompts import apply_chat_template_option, check_head_matches_target, default_head, encode_prompt, left_pad, load_head
+from .prompts import (
+    apply_chat_template_option,
+    check_head_matches_target,
+    default_head,
+    encode_prompt,
+    left_pad,
+    load_head,
+)
 from .settings import BENCH_METHODS, BenchSettings, add_arguments, from_args
 
 ALL_METHODS = list(BENCH_METHODS)
@@ -35,7 +42,9 @@ ALL_METHODS = list(BENCH_METHODS)
 
 def to_native_dflash(drafter):
     """Map a DFlash-1 head into Transformers' native DFlash assistant, or raise if it does not map."""
-    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import MuseGlimmerAssistantConfig
+    from transformers.models.muse_glimmer_assistant.configuration_muse_glimmer_assistant import (
+        MuseGlimmerAssistantConfig,
+    )
     from transformers.models.muse_glimmer_assistant.modeling_muse_glimmer_assistant import MuseGlimmerAssistantModel
 
     cfg = drafter.config
@@ -285,6 +294,8 @@ def cmd_bench(args) -> int:
     import sys
 
     settings = from_args(BenchSettings, args)
+    if args.profile:
+        return print_cost_profile(settings)
     command_line = "hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv and "hf-dflash2" in sys.argv[0] else "hf-dflash2 bench"
     report = run_benchmark(settings, command_line)
     output = Path(settings.output)
@@ -298,7 +309,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def print_cost_profile(settings: BenchSettings) -> int:
+    """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with."""
+    from .assets import load_target
+    from .cost_model_dflash2 import load_or_measure_cost_model
+
+    target, _ = load_target(settings.target, settings.gguf_file)
+    head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
+    model = load_or_measure_cost_model(target, head, settings.batch_size)
+    print(f"cost model ({model.key['device']}, {model.key['dtype']}, batch {settings.batch_size}):\n{model.table()}")
+    return 0
+
+
 def register(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="benchmark decoding methods on MT-Bench / HumanEval prompts")
     add_arguments(bench, BenchSettings)
+    bench.add_argument("--profile", action="store_true", help="print the verify cost model of the head and exit")
     bench.set_defaults(func=cmd_bench)

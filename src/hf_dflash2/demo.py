@@ -21,8 +21,14 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
 
     from .assets import load_target
     from .generation import speculative_generate
-    from .prompts import apply_chat_template_option, check_head_matches_target, default_head, encode_messages
-    from .prompts import load_head, parse_chat_template
+    from .prompts import (
+        apply_chat_template_option,
+        check_head_matches_target,
+        default_head,
+        encode_messages,
+        load_head,
+        parse_chat_template,
+    )
 
     settings = settings or DemoSettings()
     head, max_new_tokens = settings.head or default_head(), settings.max_new_tokens
@@ -42,10 +48,12 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     with torch.no_grad():
         speculative_generate(target, drafter, ids, max_new_tokens=4)  # warm-up, not timed
         started = time.perf_counter()
-        result = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, streamer=streamer, **sampling)
+        result = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, streamer=streamer,
+                                      **sampling)
         spec_seconds = time.perf_counter() - started
         started = time.perf_counter()
-        plain_sampling = sampling if sampling["do_sample"] else {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        plain_sampling = sampling if sampling["do_sample"] else greedy
         plain = target.generate(ids, max_new_tokens=max_new_tokens, **plain_sampling)
         ar_seconds = time.perf_counter() - started
     spec_tokens = int(result.num_generated[0])
@@ -59,10 +67,12 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         "identical_to_plain_greedy": same,
     }
     print(
-        f"\n\ndFlash 2 fast loop: {spec_tokens} tokens in {spec_seconds:.2f} s = {summary['dflash2_tokens_per_s']:.1f} tok/s, "
+        f"\n\ndFlash 2 fast loop: {spec_tokens} tokens in {spec_seconds:.2f} s = "
+        f"{summary['dflash2_tokens_per_s']:.1f} tok/s, "
         f"tau = {summary['tau']:.2f} tokens per target forward"
         f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s = {summary['ar_tokens_per_s']:.1f} tok/s"
-        f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, output identical to plain AR: {same}"
+        f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, "
+        f"output identical to plain AR: {same}"
     )
     return summary
 

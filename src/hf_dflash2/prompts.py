@@ -66,7 +66,8 @@ def plain_text_template(tokenizer) -> str:
     bos = ""
     if tokenizer.bos_token is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]:
         bos = "{{ bos_token }}"
-    return bos + "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+    turns = "{% for message in messages %}{{ message['content'] }}{% if not loop.last %}\n\n{% endif %}{% endfor %}"
+    return bos + turns
 
 
 def apply_chat_template_option(tokenizer, value: str | None = "auto") -> str:

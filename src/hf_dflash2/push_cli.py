@@ -69,6 +69,7 @@ def register(subparsers) -> None:
     push.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
     push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
     push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
-    push.add_argument("--base-model", default=None, help="target model id for the card, if config.json has no base_model")
+    push.add_argument("--base-model", default=None,
+                      help="target model id for the card, if config.json has no base_model")
     push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
     push.set_defaults(func=cmd_push)
