@@ -84,8 +84,10 @@ def test_a_torn_index_line_is_dropped(tmp_path):
     index = tmp_path / "s" / "index.jsonl"
     whole = index.read_bytes()
     index.write_bytes(whole + b'{"shard": 99, "tok')
-    store = FeatureStore(tmp_path / "s")
-    assert len(store) == 4 and index.read_bytes() == whole
+    reader = FeatureStore(tmp_path / "s")  # a reader skips the torn tail and leaves the file alone
+    assert len(reader) == 4 and index.read_bytes() != whole
+    writer = FeatureStore(tmp_path / "s", meta_for(target))  # the writer repairs it before appending
+    assert len(writer) == 4 and index.read_bytes() == whole
 
 
 KILL_SCRIPT = textwrap.dedent(
@@ -125,7 +127,7 @@ def test_kill_9_mid_write_leaves_a_readable_store(tmp_path):
     stored = {store[i]["id"] for i in range(len(store))}
     everything = records_again(n=400, seed=1)
     records = [r for r in everything if r["id"] in stored] + [r for r in everything if r["id"] not in stored][:3]
-    build_store(target, records, FeatureStore(root), tokens_per_shard=1)
+    build_store(target, records, FeatureStore(root, meta_for(target)), tokens_per_shard=1)
     final = FeatureStore(root)
     final_ids = [final[i]["id"] for i in range(len(final))]
     assert sorted(final_ids) == sorted(r["id"] for r in records)  # resumed: the new ones once, nothing twice
@@ -187,11 +189,11 @@ def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source):
     records = [{"id": str(i), **s} for i, s in enumerate(toy_sequences())]
     store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target, top_k=8)))
     drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=LAYERS)
-    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=30, batch_size=2, anchors_per_sequence=6,
-                            checkpoint_every=100, learning_rate=3e-3, mixed_precision="bf16", label_source=label_source)
+    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=40, batch_size=2, anchors_per_sequence=6,
+                            checkpoint_every=100, learning_rate=5e-3, mixed_precision="bf16", label_source=label_source)
     trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
     history = trainer.train()
     first, last = sum(h["loss"] for h in history[:5]) / 5, sum(h["loss"] for h in history[-5:]) / 5
-    assert last < 0.7 * first, (first, last)
+    assert first - last > 0.6, (first, last)  # no learning: a difference of ~0
     with pytest.raises(ValueError, match="needs a feature store"):
         Trainer(target, drafter, records, TrainingConfig(output_dir=str(tmp_path / "x"), label_source="kl"))

@@ -185,7 +185,6 @@ def _register_store(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from ..assets import load_humaneval_prompts
     from ..precision import PRECISION_CHOICES, resolve_precision
     from .regenerate import encode_prompts
     from .trainer import Trainer, load_sequences, store_sequences
@@ -211,6 +210,7 @@ def cmd_train(args) -> int:
         selector_weight=args.selector_weight,
         vocab_subset=args.vocab_subset,
         label_source=args.label_source,
+        draft_vocab_size=args.draft_vocab_size,
         seed=args.seed,
         mixed_precision=precision,
         checkpoint_every=args.checkpoint_every,
@@ -239,19 +239,30 @@ def cmd_train(args) -> int:
     from ..assets import load_target
 
     target, tokenizer = load_target(args.target, args.gguf_file)
+    apply_chat_template_option(tokenizer, args.chat_template)
     drafter = _new_drafter(target, args, layer_ids)
-    eval_prompts = [ids for _, ids in encode_prompts(tokenizer, load_humaneval_prompts()[: args.eval_prompts], 1024)]
+    eval_prompts = [ids for _, ids in encode_prompts(tokenizer, heldout_prompts(args.eval_prompts), 1024)]
     trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
     logger.info(
         "training %s head: %d sequences, %d steps, precision %s, labels %s",
         "DFlash-1" if args.dflash1 else "dFlash 2", len(sequences), args.steps, precision, args.label_source,
     )
-    trainer.train(resume=args.resume, stop_after=args.stop_after)
+    trainer.train(resume=args.resume, stop_after=args.stop_after, stop_after_minutes=args.stop_after_minutes)
     if trainer.accelerator.is_main_process:
         head = trainer.save_head(Path(args.output) / "head")
         (Path(args.output) / "history.json").write_text(json.dumps(trainer.history, indent=1))
         logger.info("head written to %s", head)
     return 0
+
+
+def heldout_prompts(count: int) -> list[dict]:
+    """``count`` evaluation prompts, alternating HumanEval and MT-Bench (every 10th question: one per
+    category). Both sets are excluded from every training source (``store.drop_evaluation_prompts``)."""
+    from ..assets import load_humaneval_prompts, load_mtbench_prompts
+
+    humaneval, mtbench = load_humaneval_prompts(), load_mtbench_prompts()[::10]
+    mixed = [p for pair in zip(humaneval, mtbench) for p in pair]
+    return mixed[:count]
 
 
 def _new_drafter(target, args, layer_ids):
@@ -286,6 +297,7 @@ def _register_train(sub) -> None:
     p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
     p.add_argument("--steps", type=int, default=d["steps"])
     p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
+    p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"])
     p.add_argument("--loss-positions", type=int, default=d["loss_positions"])
@@ -294,11 +306,13 @@ def _register_train(sub) -> None:
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
+    p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"],
+                   help="with --store: train and draft over the N most frequent label tokens only")
     p.add_argument(
         "--label-source", choices=["data", "argmax", "kl"], default=d["label_source"],
         help="data tokens, the target's argmax, or sparse KL to the target's top-k (the last two need --store)",
     )
-    p.add_argument("--mixed-precision", default=d["mixed_precision"], help=PRECISION_HELP)
+    p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"])
     p.add_argument("--eval-every", type=int, default=d["eval_every"])

@@ -48,6 +48,7 @@ def block_loss(
     vocab_subset: torch.Tensor | None = None,
     selector_weight: float = 1.0,
     soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    head_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a set of blocks.
 
@@ -57,13 +58,16 @@ def block_loss(
     that occur in the data, which is what makes CPU training affordable; None = full vocabulary.
     ``soft_targets`` = (ids, logprobs) [M, P, k]: the target's top-k distribution; the unary loss is then
     the cross-entropy to it renormalised over the top-k (KL to the target up to a constant); ids outside
-    ``vocab_subset`` are dropped. The selector keeps the hard ``labels``.
+    ``vocab_subset`` are dropped. The selector keeps the hard ``labels``. ``head_weight`` ([V', H], already
+    restricted to the subset and in the compute dtype) saves re-gathering the frozen LM head every call.
     """
     valid = labels >= 0
     weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
     norm = weights.sum().clamp_min(1e-6)
     bound = drafter.bound_target
-    head = bound.lm_head_weight if vocab_subset is None else bound.lm_head_weight[vocab_subset]
+    head = head_weight
+    if head is None:
+        head = bound.lm_head_weight if vocab_subset is None else bound.lm_head_weight[vocab_subset]
     bias = bound.lm_head_bias
     if bias is not None and vocab_subset is not None:
         bias = bias[vocab_subset]

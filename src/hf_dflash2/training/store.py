@@ -57,10 +57,16 @@ def _fsync_write(path: Path, array: np.ndarray) -> None:
 
 
 class FeatureStore:
-    """Append-only, resumable store of target features and labels. Index a sequence with ``store[i]``."""
+    """Append-only, resumable store of target features and labels. Index a sequence with ``store[i]``.
+
+    ``FeatureStore(root, meta)`` opens for writing (creates, or checks ``meta`` and repairs a torn index
+    tail); ``FeatureStore(root)`` opens read-only and never modifies the folder, so training can read a
+    store that another process is still appending to.
+    """
 
     def __init__(self, root: str | Path, meta: StoreMeta | None = None):
         self.root = Path(root)
+        self.writable = meta is not None
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             stored = StoreMeta(**json.loads(meta_path.read_text()))
@@ -99,7 +105,7 @@ class FeatureStore:
             except json.JSONDecodeError:
                 break
             good += len(line) + 1
-        if good != len(raw):  # a torn last line from a kill mid-append: drop it, atomically
+        if good != len(raw) and self.writable:  # a torn last line from a kill mid-append: drop it, atomically
             logger.warning("%s: dropping a torn index line (%d bytes)", path, len(raw) - good)
             tmp = path.with_suffix(".tmp")
             tmp.write_bytes(raw[:good])
@@ -121,6 +127,8 @@ class FeatureStore:
     def append(self, sequences: list[dict], features: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> None:
         """Add one shard. ``sequences``: ``{"id", "input_ids", "response_start"}`` in order; the tensors are
         the concatenation over their tokens: features [T, taps*H], topk_ids / topk_logprobs [T, k]."""
+        if not self.writable:
+            raise PermissionError(f"store {self.root} was opened read-only; open it with its StoreMeta to append")
         total = sum(len(s["input_ids"]) for s in sequences)
         width, k = self.meta.feature_width, self.meta.top_k
         if features.shape != (total, width) or topk_ids.shape != (total, k) or topk_logprobs.shape != (total, k):
@@ -184,17 +192,21 @@ class FeatureStore:
             out.extend((offsets[j + 1] - offsets[j], shard["response_starts"][j]) for j in range(len(shard["ids"])))
         return out
 
-    def response_vocabulary(self) -> torch.Tensor:
-        """Sorted token ids that occur as a response token or as the target's argmax in a response."""
-        seen = np.zeros(self.meta.vocab_size, dtype=bool)
+    def response_vocabulary(self, size: int | None = None) -> torch.Tensor:
+        """Sorted token ids that occur as a response token or as the target's argmax in a response; with
+        ``size``, only the ``size`` most frequent of them (a draft vocabulary: cheaper LM head)."""
+        seen = np.zeros(self.meta.vocab_size, dtype=np.int64)
         for number, shard in enumerate(self.shards):
             arrays = self._shard_arrays(number)
             offsets = shard["offsets"]
             for j, response_start in enumerate(shard["response_starts"]):
                 start, end = offsets[j] + response_start, offsets[j + 1]
-                seen[np.asarray(arrays["tokens"][start:end])] = True
-                seen[np.asarray(arrays["topk_ids"][max(start - 1, 0) : end, 0])] = True
-        return torch.from_numpy(np.nonzero(seen)[0].astype(np.int64))
+                np.add.at(seen, np.asarray(arrays["tokens"][start:end]), 1)
+                np.add.at(seen, np.asarray(arrays["topk_ids"][max(start - 1, 0) : end, 0]), 1)
+        present = np.nonzero(seen)[0]
+        if size is not None and size < len(present):
+            present = np.sort(present[np.argsort(-seen[present], kind="stable")[:size]])
+        return torch.from_numpy(present.astype(np.int64))
 
 
 # ---------------------------------------------------------------------- building

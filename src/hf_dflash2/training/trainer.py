@@ -48,6 +48,7 @@ class TrainingConfig:
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
+    draft_vocab_size: int | None = None  # keep only the N most frequent label tokens (store only)
     label_source: str = "data"  # "data" tokens, the target's "argmax", or "kl" to its top-k (store only)
     seed: int = 0
     mixed_precision: str = "no"  # accelerate's: "no", "bf16", "fp16" (the CLI resolves "auto")
@@ -170,12 +171,18 @@ class Trainer:
         self.gamma = decay_gamma(drafter.config.block_size)
         self.vocab_subset = None
         if config.vocab_subset == "data" and store is not None:
-            self.vocab_subset = store.response_vocabulary().to(self.accelerator.device)
+            self.vocab_subset = store.response_vocabulary(config.draft_vocab_size).to(self.accelerator.device)
         elif config.vocab_subset == "data":
             tokens = sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
             self.vocab_subset = torch.tensor(tokens, device=self.accelerator.device)
+        # The fused kernel matters on CPU: the selector's [V, r] codebooks make the update itself a large
+        # share of a step, and the unfused update is several passes over them.
         optimizer = torch.optim.AdamW(
-            [p for p in drafter.parameters() if p.requires_grad], lr=config.learning_rate, weight_decay=config.weight_decay, betas=(0.9, 0.95)
+            [p for p in drafter.parameters() if p.requires_grad],
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            betas=(0.9, 0.95),
+            fused=True,
         )
         warmup = max(1, int(config.warmup_ratio * config.steps))
 
@@ -235,6 +242,8 @@ class Trainer:
                 embeds, block_positions, mask, context_features=features, context_positions=positions, sliding_attention_mask=sliding
             )[0, :, 1:]  # [n, B-1, H]
             keep = self.config.loss_positions or hidden.shape[1]
+            if self.vocab_subset is not None:  # a token the head can never draft is no label
+                labels = torch.where(torch.isin(labels, self.vocab_subset.cpu()), labels, -100)
             if soft is not None:
                 soft = tuple(t[:, :keep].to(device) for t in soft)
             return block_loss(
@@ -246,7 +255,17 @@ class Trainer:
                 self.vocab_subset,
                 self.config.selector_weight if cfg.use_selector else 0.0,
                 soft_targets=soft,
+                head_weight=self.head_weight(hidden.dtype),
             )
+
+    def head_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The frozen LM head restricted to the training vocabulary, in the compute dtype (made once)."""
+        if getattr(self, "_head_weight", None) is None or self._head_weight.dtype != dtype:
+            weight = self.accelerator.unwrap_model(self.drafter).bound_target.lm_head_weight
+            if self.vocab_subset is not None:
+                weight = weight[self.vocab_subset]
+            self._head_weight = weight.detach().to(dtype)
+        return self._head_weight
 
     def sequence_item(self, index: int) -> dict:
         """``input_ids`` [T], ``response_start``, ``features`` [1, T, taps*H] (+ ``topk_*`` from a store)."""
@@ -363,24 +382,34 @@ class Trainer:
         stats = None
         for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
             ids = torch.tensor([prompt_ids], device=self.accelerator.device)
-            result = speculative_generate(self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens)
+            result = speculative_generate(self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens,
+                                          adaptive=False)  # tau of the head itself: every round verifies the block
             stats = result.stats if stats is None else stats.merge(result.stats)
         if stats is None:
             return {}
         return {"eval_tau": stats.acceptance_length, "eval_per_position": stats.per_position_acceptance[:8]}
 
     # ----------------------------------------------------------------- the loop
-    def train(self, resume: bool = False, stop_after: int | None = None) -> list[dict]:
-        """Run to ``config.steps`` (or ``stop_after`` more steps). Returns the logged history."""
+    def train(self, resume: bool = False, stop_after: int | None = None, stop_after_minutes: float | None = None) -> list[dict]:
+        """Run to ``config.steps`` (or ``stop_after`` more steps, or until ``stop_after_minutes`` have passed;
+        either way with a checkpoint to resume from). Returns the logged history."""
         if resume:
             self.load_checkpoint()
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
         progress = tqdm(total=self.config.steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
-        started, positions = time.perf_counter(), 0
+        block_size = self.accelerator.unwrap_model(self.drafter).config.block_size
+        per_step = self.config.anchors_per_sequence * self.config.batch_size * self.accelerator.num_processes
+        per_step *= self.config.loss_positions or block_size - 1
+        # Compute so far, carried across resumes: what the tau-against-compute curve is drawn over.
+        seconds_before = self.history[-1].get("train_seconds", 0.0) if self.history else 0.0
+        started = time.perf_counter()
+        deadline = None if stop_after_minutes is None else started + 60 * stop_after_minutes
         while self.step < last:
             record = self.train_step()
-            positions += self.config.anchors_per_sequence * self.config.batch_size * (self.config.loss_positions or self.accelerator.unwrap_model(self.drafter).config.block_size - 1)
-            record["positions_per_s"] = positions / (time.perf_counter() - started)
+            elapsed = time.perf_counter() - started
+            record["block_positions"] = self.step * per_step
+            record["train_seconds"] = seconds_before + elapsed
+            record["positions_per_s"] = self.step * per_step / max(record["train_seconds"], 1e-9)
             if self.config.eval_every and self.step % self.config.eval_every == 0 and self.accelerator.is_main_process:
                 record.update(self.evaluate())
             self.history.append(record)
@@ -388,19 +417,16 @@ class Trainer:
             progress.set_postfix(loss=f"{record['loss']:.3f}", acc1=f"{record['top1_position1']:.2f}")
             if self.step % self.config.log_every == 0 or "eval_tau" in record:
                 logger.info(json.dumps(record))
-            if self.step % self.config.checkpoint_every == 0 or self.step == last:
+            out_of_time = deadline is not None and time.perf_counter() > deadline
+            if self.step % self.config.checkpoint_every == 0 or self.step == last or out_of_time:
                 self.save_checkpoint()
+            if out_of_time:
+                logger.info("stopping after %.1f minutes at step %d (resume with --resume)", stop_after_minutes, self.step)
+                break
         progress.close()
         return self.history
 
 
 def new_drafter_for(target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True, seed: int = 0, **kwargs) -> DFlash2DraftModel:
-    """A freshly initialised head sized for ``target`` (same seed -> same weights)."""
-    config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, **kwargs)
-    torch.manual_seed(seed)
-    drafter = DFlash2DraftModel(config).to(next(target.parameters()).dtype)
-    final_norm = getattr(getattr(target, "model", None), "norm", None)
-    if final_norm is not None and getattr(final_norm, "weight", None) is not None and final_norm.weight.shape == drafter.norm.weight.shape:
-        with torch.no_grad():  # start at the output scale the target's LM head is used to
-            drafter.norm.weight.copy_(final_norm.weight)
-    return drafter
+    """Kept for existing callers: ``DFlash2DraftModel.for_target`` is the public way to build a fresh head."""
+    return DFlash2DraftModel.for_target(target, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs)
