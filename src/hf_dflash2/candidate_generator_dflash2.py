@@ -17,17 +17,24 @@ from typing import Any
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from .speculative_dflash2 import SpeculativeStats, tapped_features
+from .cost_model_dflash2 import verify_policy_for
+from .speculative_dflash2 import DraftContext, SpeculativeStats, dense_proposal, tapped_features
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
     """Drafts a block per round from the target's tapped hidden states (batch size 1, as the HF loop).
 
     The first call only lets the target prefill (no candidates). Each later call turns the hidden states
-    of the tokens the target just accepted into drafter context, drafts ``B - 1`` tokens after the bonus
-    token, and returns them with, when sampling, ``log q`` as candidate logits (-inf outside the selector's
-    K candidates), which Transformers' lossless ``_speculative_sampling`` turns back into q exactly.
-    Statistics of the call are left on ``drafter.last_speculative_stats``.
+    of the tokens the target just accepted into drafter context (``DraftContext``, as the fast loop),
+    asks the verify policy how many drafts to return (``adaptive`` by default, see
+    ``cost_model_dflash2``; none at all on plain-step rounds), drafts after the bonus token, and returns
+    them with, when sampling, ``log q`` as candidate logits (-inf outside the selector's K candidates),
+    which Transformers' lossless ``_speculative_sampling`` turns back into q exactly.
+
+    The policy comes from the drafter: ``drafter.verify_policy`` (a ``VerifyPolicy``, e.g.
+    ``ForcedVerifyLengths``) if set, else adaptive unless ``drafter.adaptive_verify`` is False; a cost
+    model can be given as ``drafter.verify_cost_model``. Statistics of the call are left on
+    ``drafter.last_speculative_stats``.
     """
 
     requires_model_outputs = True
@@ -43,10 +50,13 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
         self.logits_processor = logits_processor
-        self.context_kv = None
-        self.context_positions = None
+        self.policy = verify_policy_for(
+            target, drafter, 1, self.block_size, getattr(drafter, "adaptive_verify", True),
+            getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
+        )
+        self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
-        self.drafted_last = 0
+        self.confidence, self.verified_last = None, 0
         drafter.last_speculative_stats = self.stats
 
     def get_candidates(
@@ -63,45 +73,40 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         if model_outputs is None or getattr(model_outputs, "hidden_states", None) is None:
             raise ValueError("DFlash2CandidateGenerator needs the target's hidden states from the previous forward")
         cur_len = input_ids.shape[1]
-        new_context = cur_len - 1 if self.context_kv is None else n_last_matches + 1
-        features = tapped_features(model_outputs.hidden_states, self.layer_ids)[:, :new_context]
         device = self.drafter.device
-        start = 0 if self.context_positions is None else int(self.context_positions.shape[1])
-        positions = torch.arange(start, start + new_context, device=device)[None]
-        new_kv = self.drafter.context_kv(self.drafter.project_context(features.to(device)), positions)
-        if self.context_kv is None:
-            self.context_kv, self.context_positions = new_kv, positions
-        else:
-            self.context_kv = [(torch.cat([k, nk], 2), torch.cat([v, nv], 2)) for (k, v), (nk, nv) in zip(self.context_kv, new_kv)]
-            self.context_positions = torch.cat([self.context_positions, positions], dim=1)
+        new_context = cur_len - 1 - self.context.length  # the prompt, then the anchor and accepted drafts
+        features = tapped_features(model_outputs.hidden_states, self.layer_ids)[:, :new_context]
+        positions = torch.arange(self.context.length, cur_len - 1, device=device)[None]
+        self.context.append(features.to(device), positions)
 
+        self.confidence, self.verified_last = None, 0
         room = self.max_length - cur_len - 1
-        if room <= 0:
-            self.drafted_last = 0
-            return input_ids, None
+        if room <= 0 or not self.policy.wants_draft():
+            return input_ids, None  # a plain step: the target verifies the anchor alone
         anchor = input_ids[:, -1].to(device)
         anchor_pos = torch.tensor([cur_len - 1], device=device)
-        valid = torch.ones_like(self.context_positions, dtype=torch.bool)
         with torch.no_grad():
             draft = self.drafter.draft_block(
-                anchor, anchor_pos, self.context_kv, valid, self.context_positions, self.temperature
+                anchor, anchor_pos, self.context.kv, self.context.valid, self.context.positions, self.temperature
             )
-        length = min(self.block_size - 1, room)
+        k = int(self.policy.choose(draft.confidence))
+        self.policy.chosen(k)
+        length = min(k, room)
+        if length == 0:
+            return input_ids, None
+        self.confidence, self.verified_last = draft.confidence, length
         tokens = draft.tokens[:, :length].to(input_ids.device)
-        self.drafted_last = length
         candidate_logits = None
         if self.do_sample:
             vocab = self.target.config.get_text_config().vocab_size
-            q = torch.zeros(1, length, vocab, dtype=torch.float32, device=device)
-            q.scatter_add_(-1, draft.q_ids[:, :length].expand(1, length, -1).contiguous(), draft.q_probs[:, :length].float())
+            q = dense_proposal(draft.q_ids[:, :length], draft.q_probs[:, :length], vocab)
             candidate_logits = q.log().to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=1), candidate_logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        if self.drafted_last == 0:
-            return
-        accepted = torch.as_tensor([int(num_matches)])
-        self.stats.record(accepted, accepted + 1)
+        accepted = torch.as_tensor([int(num_matches)], device=self.drafter.device)
+        self.policy.observe(self.confidence, self.verified_last, accepted)
+        self.stats.record(accepted, accepted + 1, verified=self.verified_last)
 
 
 def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):

@@ -1,10 +1,14 @@
 """The fast speculative loop: batch > 1, acceptance on the device, one small host read per round.
 
-Per round: the drafter proposes ``B - 1`` tokens per row in one pass; the target verifies
-``[anchor, drafts]`` in one forward; acceptance (greedy match or lossless rejection sampling), EOS and
-budget handling, output writes and the drafter's context bookkeeping all stay on the device. The host
-reads one 2-element tensor per round (any row still running, and how many trailing cache slots no
-running row needs) - the bounded stop check - and, only when rows finish, which rows to drop.
+Reading order, as gpt-fast: ``prefill`` -> ``verify`` (one target forward over the anchor and ``k``
+drafts) -> ``speculative_decode`` (the round loop) -> ``speculative_generate`` (validation, policy,
+output). Per round: the drafter proposes ``B - 1`` tokens per row in one pass (skipped on rounds the
+verify policy turns into plain AR steps); the policy picks how many of them to verify
+(``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]``; acceptance (greedy match or
+lossless rejection sampling), EOS and budget handling, output writes and the drafter's context
+(``DraftContext``, shared with the Transformers path) all stay on the device. The host reads one small
+tensor per round, after the draft: any row still running, all rows running, how many trailing cache
+slots no running row needs, and the chosen ``k``; and, only when rows finish, which rows to drop.
 
 Rows accept different numbers of tokens, so slots rejected by one row but kept by another stay in the
 caches as masked holes; the trailing slots that no row needs are cropped every round (at batch 1 there
@@ -16,9 +20,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 from transformers import DynamicCache
 
+from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .speculative_dflash2 import (
+    DraftContext,
     SpeculativeStats,
     accept_greedy,
     accept_sampling,
@@ -50,12 +57,15 @@ def _eos_tensor(target, eos_token_id, device) -> torch.Tensor:
 def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
     """Raise a clear ``ValueError`` before any forward pass."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be a 2-D LongTensor [batch, length], got {getattr(input_ids, 'shape', type(input_ids))}")
+        got = getattr(input_ids, "shape", type(input_ids))
+        raise ValueError(f"input_ids must be a 2-D LongTensor [batch, length], got {got}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): a prompt needs at least one token")
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}")
+            raise ValueError(
+                f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape {tuple(input_ids.shape)}"
+            )
         empty_rows = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
         if empty_rows:
             raise ValueError(f"rows {empty_rows} of the batch have an empty prompt (attention_mask all zero)")
@@ -67,9 +77,155 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
     needed = input_ids.shape[1] + max_new_tokens + block_size
     if limit is not None and needed > limit:
         raise ValueError(
-            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} + block_size {block_size} = {needed} "
+            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} + block_size {block_size} "
+            f"= {needed} "
             f"exceeds the target's context of {limit} positions"
         )
+
+
+class _Sampler:
+    """The target's token choice: argmax, or a sample under temperature / top-k / top-p."""
+
+    def __init__(self, do_sample, temperature, top_k, top_p, generator):
+        self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
+        self.generator = generator
+        self.draft_temperature = temperature if do_sample else 0.0
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """[N, V] -> [N]"""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def accept(self, draft_tokens: torch.Tensor, draft, logits: torch.Tensor):
+        """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
+        if not self.do_sample:
+            return accept_greedy(draft_tokens, logits)
+        k = draft_tokens.shape[1]
+        p = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        if k == 0:  # a plain step (there may be no draft at all)
+            tokens = torch.multinomial(p[:, 0], 1, generator=self.generator)
+            return tokens.new_zeros(tokens.shape[0]), tokens
+        q = dense_proposal(draft.q_ids[:, :k], draft.q_probs[:, :k], logits.shape[-1])
+        return accept_sampling(draft_tokens, q, p, self.generator)
+
+
+@dataclass
+class _Rows:
+    """The running rows: output row index, anchor token and position, finished flag (all [n])."""
+
+    index: torch.Tensor
+    anchor: torch.Tensor
+    anchor_pos: torch.Tensor
+    finished: torch.Tensor
+
+    def select(self, keep: torch.Tensor) -> "_Rows":
+        return _Rows(self.index[keep], self.anchor[keep], self.anchor_pos[keep], self.finished[keep])
+
+
+class _Output:
+    """Generated tokens per output row, with EOS and token-budget stops inside a block."""
+
+    def __init__(self, n_rows, max_new_tokens, block_size, pad_token_id, eos, device):
+        self.tokens = torch.full((n_rows, max_new_tokens + block_size), pad_token_id, dtype=torch.long, device=device)
+        self.count = torch.zeros(n_rows, dtype=torch.long, device=device)
+        self.max_new_tokens, self.eos = max_new_tokens, eos
+        self.offsets = torch.arange(block_size, device=device)
+
+    def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor):
+        """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid.
+        Writes them up to EOS / budget -> (written [n], within [n, w] the valid slots, finished [n])."""
+        offsets = self.offsets[: tokens.shape[1]]
+        within = offsets[None] < commit[:, None]
+        is_eos = torch.isin(tokens, self.eos) & within
+        eos_cut = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, commit)
+        written = torch.minimum(eos_cut, self.max_new_tokens - self.count[rows.index])
+        at = self.count[rows.index][:, None] + offsets
+        current = self.tokens[rows.index[:, None], at]
+        self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < written[:, None], tokens, current)
+        self.count[rows.index] += written
+        finished = is_eos.any(-1) | (self.count[rows.index] >= self.max_new_tokens)
+        return written, within, finished
+
+
+def prefill(target, drafter, input_ids, attention_mask, capacity: int):
+    """One target forward over the prompts: fills its KV cache and the drafter's context.
+
+    input_ids, attention_mask: [N, P] -> (cache, DraftContext with P slots, last logits [N, V])."""
+    layer_ids = drafter.config.target_layer_ids
+    positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()  # lets sliding-window layers be cropped
+    out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                 use_cache=True, output_hidden_states=[i + 1 for i in layer_ids], logits_to_keep=1)
+    context = DraftContext(drafter, input_ids.shape[0], capacity, input_ids.device)
+    context.append(tapped_features(out.hidden_states, layer_ids), positions, attention_mask.bool())
+    return cache, context, out.logits[:, -1].float()
+
+
+def verify(target, layer_ids, cache, context: DraftContext, ids: torch.Tensor, positions: torch.Tensor):
+    """One target forward over ``ids`` [N, w] (anchor + drafts) at ``positions`` [N, w], seeing the
+    context's valid slots -> (float logits [N, w, V], tapped features [N, w, taps * H])."""
+    out = target(input_ids=ids, attention_mask=context.verify_mask(ids.shape[1]), position_ids=positions,
+                 cache=cache, use_cache=True, output_hidden_states=[i + 1 for i in layer_ids])
+    return out.logits.float(), tapped_features(out.hidden_states, layer_ids)
+
+
+def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
+                       policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
+                       streamer=None) -> None:
+    """Rounds of draft -> host read -> verify -> accept until every row has finished."""
+    layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
+    unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
+    while True:
+        draft = None
+        if policy.wants_draft():
+            with record_function("dflash2::draft"):
+                draft = drafter.draft_block(rows.anchor, rows.anchor_pos, context.kv, context.valid,
+                                            context.positions, sampler.draft_temperature, sampler.generator, block_size)
+                k = policy.choose(draft.confidence)
+        else:
+            k = 0
+        # The one host read per round: any row running, all rows running, trailing slots no row needs, k.
+        any_running, all_running, crop, k = torch.stack([
+            (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
+            torch.as_tensor(k, device=unused_tail.device).long()]).tolist()
+        if not any_running:
+            return
+        if draft is not None:
+            policy.chosen(k)
+        if crop > 0:
+            cache.crop(-crop)
+            context.crop(crop)
+        if not all_running:
+            keep = (~rows.finished).nonzero().flatten()  # rows finished: drop them, they stop costing
+            cache.batch_select_indices(keep)
+            context.select(keep)
+            rows = rows.select(keep)
+            if draft is not None:
+                draft = type(draft)(*(None if t is None else t[keep] for t in vars(draft).values()))
+
+        drafts = draft.tokens[:, :k] if k else rows.anchor[:, None][:, :0]
+        ids = torch.cat([rows.anchor[:, None], drafts], dim=1)
+        positions = rows.anchor_pos[:, None] + offsets[: k + 1]
+        with record_function("dflash2::verify"):
+            logits, features = verify(target, layer_ids, cache, context, ids, positions)
+        with record_function("dflash2::accept"):
+            accepted, tokens = sampler.accept(drafts, draft, logits)
+            policy.observe(None if draft is None else draft.confidence, k, accepted)
+            written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
+            stats.record(accepted, written, verified=k)
+        if streamer is not None:
+            streamer.put(tokens[0, : int(written[0])].cpu())
+
+        # The anchor and the accepted drafts become the drafter's context; the bonus is the next anchor.
+        with record_function("dflash2::context"):
+            context.append(features, positions, within)
+        rows.anchor = tokens.gather(1, accepted[:, None]).squeeze(1)
+        rows.anchor_pos = rows.anchor_pos + accepted + 1
+        unused_tail = torch.where(rows.finished, k + 1, k - accepted).min()
 
 
 @torch.no_grad()
@@ -88,6 +244,9 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     block_size: int | None = None,
     streamer=None,
+    adaptive: bool = True,
+    verify_policy: VerifyPolicy | None = None,
+    cost_model: CostModel | None = None,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
@@ -95,130 +254,44 @@ def speculative_generate(
     ``temperature`` / ``top_k`` / ``top_p`` uses lossless speculative sampling with the drafter's q.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
+    ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
+    second under the measured ``cost_model`` (measured once per machine / dtype / shape and cached when
+    not given); ``adaptive=False`` verifies the whole block; ``verify_policy`` overrides both
+    (e.g. ``ForcedVerifyLengths([0, 3, 1])``). ``stats.verify_length_histogram`` reports the choices.
     """
     block_size = block_size or drafter.config.block_size
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+    n_rows = input_ids.shape[0]
+    if streamer is not None and n_rows != 1:
+        raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
     drafter.bind_target(target)
     device = input_ids.device
-    n_rows, prompt_width = input_ids.shape
     pad_token_id = pad_token_id if pad_token_id is not None else (target.generation_config.pad_token_id or 0)
     if isinstance(pad_token_id, list):
         pad_token_id = pad_token_id[0]
     stats = SpeculativeStats(block_size)
-    if streamer is not None and n_rows != 1:
-        raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
     if max_new_tokens == 0:
         return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats)
+    policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model)
 
-    eos = _eos_tensor(target, eos_token_id, device)
-    layer_ids = drafter.config.target_layer_ids
-    capture = [i + 1 for i in layer_ids]  # only the tapped layers' hidden states are kept
-    draft_temperature = temperature if do_sample else 0.0
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    slot_valid = attention_mask.bool()
-    slot_pos = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
-
-    def pick(logits):  # [N, V] -> [N]
-        if not do_sample:
-            return logits.argmax(-1)
-        probs = process_logits(logits, temperature, top_k, top_p).softmax(-1)
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-    cache = DynamicCache(config=target.config)
-    if hasattr(cache, "activate_past_recording"):
-        cache.activate_past_recording()  # lets sliding-window layers be cropped
-    out = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=slot_pos,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=capture,
-        logits_to_keep=1,
-    )
-    draft_kv = drafter.context_kv(drafter.project_context(tapped_features(out.hidden_states, layer_ids)), slot_pos)
-    anchor = pick(out.logits[:, -1].float())
-    anchor_pos = attention_mask.long().sum(-1)
-
-    generated = torch.full((n_rows, max_new_tokens + block_size), pad_token_id, dtype=torch.long, device=device)
-    generated[:, 0] = anchor
-    num_generated = torch.ones(n_rows, dtype=torch.long, device=device)
-    finished = torch.isin(anchor, eos) | (num_generated >= max_new_tokens)
+    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
+    cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
+                                          input_ids.shape[1] + max_new_tokens + 2 * block_size)
+    eos = _eos_tensor(target, eos_token_id, device)
+    output = _Output(n_rows, max_new_tokens, block_size, pad_token_id, eos, device)
+    anchor = sampler.pick(last_logits)
+    running = torch.zeros(n_rows, dtype=torch.bool, device=device)
+    rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
+    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
-    rows = torch.arange(n_rows, device=device)  # batch row -> output row
-    offsets = torch.arange(block_size, device=device)
-
-    any_running, all_running = (~finished).any().item(), (~finished).all().item()
-    while any_running:
-        if not all_running:
-            keep = (~finished).nonzero().flatten()  # rows finished: drop them, they stop costing
-            cache.batch_select_indices(keep)
-            draft_kv = [(k[keep], v[keep]) for k, v in draft_kv]
-            slot_valid, slot_pos = slot_valid[keep], slot_pos[keep]
-            anchor, anchor_pos, rows, finished = anchor[keep], anchor_pos[keep], rows[keep], finished[keep]
-
-        draft = drafter.draft_block(
-            anchor, anchor_pos, draft_kv, slot_valid, slot_pos, draft_temperature, generator, block_size
-        )
-        verify_ids = torch.cat([anchor[:, None], draft.tokens], dim=1)
-        verify_pos = anchor_pos[:, None] + offsets
-        verify_mask = torch.cat([slot_valid, torch.ones_like(verify_ids, dtype=torch.bool)], dim=1)
-        out = target(
-            input_ids=verify_ids,
-            attention_mask=verify_mask.long(),
-            position_ids=verify_pos,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=capture,
-        )
-        logits = out.logits.float()
-        if do_sample:
-            p = process_logits(logits, temperature, top_k, top_p).softmax(-1)
-            q = dense_proposal(draft.q_ids, draft.q_probs, logits.shape[-1])
-            accepted, tokens = accept_sampling(draft.tokens, q, p, generator)
-        else:
-            accepted, tokens = accept_greedy(draft.tokens, logits)
-        commit = accepted + 1
-
-        # Stop inside the block at EOS or at the token budget.
-        within = offsets[None] < commit[:, None]
-        is_eos = torch.isin(tokens, eos) & within
-        eos_cut = torch.where(is_eos.any(-1), is_eos.int().argmax(-1) + 1, commit)
-        budget = max_new_tokens - num_generated[rows]
-        count = torch.minimum(eos_cut, budget)
-        stats.record(accepted, count)
-        write_at = num_generated[rows][:, None] + offsets
-        current = generated[rows[:, None], write_at]
-        generated[rows[:, None], write_at] = torch.where(offsets[None] < count[:, None], tokens, current)
-        if streamer is not None:
-            streamer.put(tokens[0, : int(count[0])].cpu())
-        num_generated[rows] += count
-        finished = is_eos.any(-1) | (num_generated[rows] >= max_new_tokens)
-
-        # The anchor and the accepted drafts become the drafter's context; the bonus is the next anchor.
-        new_kv = drafter.context_kv(drafter.project_context(tapped_features(out.hidden_states, layer_ids)), verify_pos)
-        draft_kv = [(torch.cat([k, nk], dim=2), torch.cat([v, nv], dim=2)) for (k, v), (nk, nv) in zip(draft_kv, new_kv)]
-        slot_valid = torch.cat([slot_valid, within], dim=1)
-        slot_pos = torch.cat([slot_pos, verify_pos], dim=1)
-        anchor = tokens.gather(1, accepted[:, None]).squeeze(1)
-        anchor_pos = anchor_pos + commit
-
-        # The one host read per round: any row running, all rows running, trailing slots no running row needs.
-        unused_tail = torch.where(finished, block_size, block_size - commit).min()
-        any_running, all_running, crop = torch.stack(
-            [(~finished).any().long(), (~finished).all().long(), unused_tail.long()]
-        ).tolist()
-        if crop > 0 and any_running:
-            cache.crop(-crop)
-            draft_kv = [(k[:, :, :-crop], v[:, :, :-crop]) for k, v in draft_kv]
-            slot_valid, slot_pos = slot_valid[:, :-crop], slot_pos[:, :-crop]
-
+    speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer)
     if streamer is not None:
         streamer.end()
-    width = int(num_generated.max())
-    return SpeculativeOutput(torch.cat([input_ids, generated[:, :width]], dim=1), num_generated, stats)
+    width = int(output.count.max())
+    return SpeculativeOutput(torch.cat([input_ids, output.tokens[:, :width]], dim=1), output.count, stats)

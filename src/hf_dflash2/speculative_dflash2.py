@@ -18,7 +18,9 @@ def tapped_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
+def process_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """Temperature, top-k and top-p on [..., V] logits (batched; -inf outside the kept set)."""
     logits = logits.float()
     if temperature and temperature != 1.0:
@@ -89,38 +91,145 @@ def accept_sampling(
     return accepted, tokens
 
 
+class DraftContext:
+    """The drafter's context: per-layer K/V of the target's tapped features, slot validity and positions.
+
+    Slots line up one-to-one with the target's KV-cache slots: a draft rejected by one row but kept by
+    another stays as a masked hole (``valid`` False). Buffers are preallocated for ``capacity`` slots
+    (doubled only if a call outgrows them), so a round writes in place instead of concatenating.
+
+    kv: per drafter layer (k, v) [N, kv_heads, T, head_dim]; valid: [N, T] bool; positions: [N, T] long.
+    """
+
+    def __init__(self, drafter, n_rows: int, capacity: int, device: torch.device | str):
+        self.drafter = drafter
+        self.length = 0
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first append
+        self._valid = torch.zeros(n_rows, capacity, dtype=torch.bool, device=device)
+        self._positions = torch.zeros(n_rows, capacity, dtype=torch.long, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self._valid.shape[1]
+
+    @property
+    def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        return self._valid[:, : self.length]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[:, : self.length]
+
+    def _reserve(self, end: int) -> None:
+        if end <= self.capacity:
+            return
+        size = max(end, 2 * self.capacity)
+
+        def grow(t: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(t.shape)
+            shape[dim] = size
+            bigger = t.new_zeros(shape)
+            bigger.narrow(dim, 0, t.shape[dim]).copy_(t)
+            return bigger
+
+        self._valid, self._positions = grow(self._valid, 1), grow(self._positions, 1)
+        if self._kv is not None:
+            self._kv = [(grow(k, 2), grow(v, 2)) for k, v in self._kv]
+
+    def verify_mask(self, width: int) -> torch.Tensor:
+        """[N, T + width] attention mask for a target forward over ``width`` new slots (all visible).
+
+        The new slots are marked valid in place; ``append`` then overwrites them with what was accepted.
+        """
+        self._reserve(self.length + width)
+        self._valid[:, self.length : self.length + width] = True
+        return self._valid[:, : self.length + width]
+
+    def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """features: [N, L, taps * H] tapped target features; positions: [N, L]; valid: [N, L] bool (None: all)."""
+        new_kv = self.drafter.context_kv(self.drafter.project_context(features), positions)
+        start, end = self.length, self.length + features.shape[1]
+        self._reserve(end)
+        if self._kv is None:
+            self._kv = [(k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]),
+                         v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])) for k, v in new_kv]
+        for (k_buffer, v_buffer), (k, v) in zip(self._kv, new_kv):
+            k_buffer[:, :, start:end] = k
+            v_buffer[:, :, start:end] = v
+        self._valid[:, start:end] = True if valid is None else valid
+        self._positions[:, start:end] = positions
+        self.length = end
+
+    def crop(self, drop: int) -> None:
+        """Forget the last ``drop`` slots (as ``DynamicCache.crop(-drop)`` does for the target)."""
+        self.length -= drop
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows ([n] indices), e.g. once other rows have finished."""
+        self._valid, self._positions = self._valid[rows], self._positions[rows]
+        if self._kv is not None:
+            self._kv = [(k[rows], v[rows]) for k, v in self._kv]
+
+
 class SpeculativeStats:
     """Acceptance statistics of one generation call, accumulated on the device (no host sync per round).
 
+    Counted per row and round: ``verify_length_histogram[k]`` rounds that verified ``k`` drafted tokens
+    (0 = a plain AR step through the verify path); ``accepted_histogram[a]`` rounds that accepted ``a``.
     ``acceptance_length`` (tau) is tokens committed per verify forward, bonus included;
-    ``per_position_acceptance[k]`` is P(draft k+1 accepted | drafts 1..k accepted).
+    ``per_position_acceptance[j]`` is P(draft j+1 accepted | drafts 1..j accepted and draft j+1 verified).
     """
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self._histogram = None  # [B] rounds by number of accepted drafts
+        self._joint = None  # [B, B] rounds by (drafts verified, drafts accepted)
         self._committed = None
 
-    def record(self, accepted: torch.Tensor, committed: torch.Tensor, active: torch.Tensor | None = None) -> None:
-        """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified."""
-        if self._histogram is None:
-            self._histogram = torch.zeros(self.block_size, dtype=torch.long, device=accepted.device)
+    def record(
+        self,
+        accepted: torch.Tensor,
+        committed: torch.Tensor,
+        active: torch.Tensor | None = None,
+        verified: int | None = None,
+    ) -> None:
+        """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified;
+        verified: drafted tokens verified this round (``B - 1`` when not given)."""
+        b = self.block_size
+        if self._joint is None:
+            self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
             self._committed = torch.zeros((), dtype=torch.long, device=accepted.device)
         weight = torch.ones_like(accepted, dtype=torch.long) if active is None else active.long()
-        self._histogram.scatter_add_(0, accepted.long().clamp(0, self.block_size - 1), weight)
+        verified = b - 1 if verified is None else min(max(int(verified), 0), b - 1)
+        self._joint.scatter_add_(0, verified * b + accepted.long().clamp(0, verified), weight)
         self._committed += (committed.long() * weight).sum()
+
+    def _joint_table(self) -> list[list[int]]:
+        b = self.block_size
+        if self._joint is None:
+            return [[0] * b for _ in range(b)]
+        flat = self._joint.tolist()
+        return [flat[k * b : (k + 1) * b] for k in range(b)]
 
     @property
     def accepted_histogram(self) -> list[int]:
-        return self._histogram.tolist() if self._histogram is not None else [0] * self.block_size
+        return [sum(column) for column in zip(*self._joint_table())]
+
+    @property
+    def verify_length_histogram(self) -> list[int]:
+        return [sum(row) for row in self._joint_table()]
 
     @property
     def rounds(self) -> int:
-        return sum(self.accepted_histogram)
+        return sum(self.verify_length_histogram)
 
     @property
     def drafted(self) -> int:
-        return self.rounds * (self.block_size - 1)
+        """Drafted tokens that were verified."""
+        return sum(k * c for k, c in enumerate(self.verify_length_histogram))
 
     @property
     def accepted(self) -> int:
@@ -137,21 +246,20 @@ class SpeculativeStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        histogram = self.accepted_histogram
-        rates, reached = [], sum(histogram)
-        for k in range(self.block_size - 1):
-            passed = sum(histogram[k + 1 :])
+        joint, rates = self._joint_table(), []
+        for j in range(self.block_size - 1):
+            reached = sum(joint[k][a] for k in range(j + 1, self.block_size) for a in range(j, k + 1))
+            passed = sum(joint[k][a] for k in range(j + 1, self.block_size) for a in range(j + 1, k + 1))
             rates.append(passed / reached if reached else 0.0)
-            reached = passed
         return rates
 
     def merge(self, other: "SpeculativeStats") -> "SpeculativeStats":
-        if other._histogram is not None:
-            if self._histogram is None:
-                self._histogram = other._histogram.clone()
+        if other._joint is not None:
+            if self._joint is None:
+                self._joint = other._joint.clone()
                 self._committed = other._committed.clone()
             else:
-                self._histogram += other._histogram.to(self._histogram.device)
+                self._joint += other._joint.to(self._joint.device)
                 self._committed += other._committed.to(self._committed.device)
         return self
 
@@ -164,7 +272,11 @@ class SpeculativeStats:
             "accepted": self.accepted,
             "committed": self.committed,
             "accepted_histogram": self.accepted_histogram,
+            "verify_length_histogram": self.verify_length_histogram,
         }
 
     def __repr__(self) -> str:
-        return f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted})"
+        return (
+            f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted}, "
+            f"verify_lengths={self.verify_length_histogram})"
+        )

@@ -1,0 +1,385 @@
+"""How many drafted tokens to verify: a measured cost model and the verify-length policies.
+
+A round drafts ``S = B - 1`` tokens, then verifies the anchor and the first ``k`` drafts in one target
+forward (``k = 0`` is exactly a plain AR step, which still hands the drafter its context features).
+``AdaptiveVerifyPolicy`` picks ``k`` to maximise expected committed tokens per second::
+
+    E[committed | k] = 1 + sum_{j <= k} prod_{i <= j} a_i,   rate(k) = E[committed | k] / (verify(k + 1) + draft)
+
+and compares the best ``k >= 1`` with a plain step, ``1 / verify(1)``. ``a_i`` is the drafter's own
+confidence at position ``i`` (``DraftOutput.confidence``) times a calibration ratio learnt during the
+call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled ratio ``g`` of all
+positions, which itself starts at 1 (trust the head) with ``c0`` pseudo-counts.
+
+When a drafted round chooses ``k = 0`` the draft did not pay, so the next rounds skip drafting (plain AR
+steps through the same verify path; the drafter's context keeps growing, so a later draft is exact) and
+probe again after 1, 2, 4, ... up to ``max_skip`` rounds; a probe that verifies drafts resets the backoff.
+
+Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
+from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
+temperature > 0 the drafter's confidence is the per-position max probability of its unary distribution,
+which the draft pass computes before any token is sampled (the selector's q along the sampled path would
+depend on the sampled tokens). Greedy output is the target's argmax whatever ``k`` is.
+
+Shipped with saved heads as remote code (sibling of ``candidate_generator_dflash2.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .speculative_dflash2 import DraftContext, tapped_features
+
+COST_MODEL_VERSION = 1
+
+
+def monotone_repair(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): a longer verify never costs less."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight = blocks.pop()
+            previous_mean, previous_weight = blocks[-1]
+            total = previous_weight + weight
+            blocks[-1] = [(previous_mean * previous_weight + mean * weight) / total, total]
+    return [mean for mean, weight in blocks for _ in range(int(weight))]
+
+
+def cost_cache_dir() -> Path:
+    return Path(os.environ.get("HF_DFLASH2_CACHE") or Path.home() / ".cache" / "hf_dflash2")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _config_hash(config) -> str:
+    return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+
+
+def cost_key(target, drafter, batch_size: int, block_size: int, context_length: int) -> dict:
+    """What a measurement depends on: machine, dtype, threads, the target's and the drafter's shapes."""
+    device = next(target.parameters()).device
+    vocab = drafter.draft_vocab
+    return {
+        "version": COST_MODEL_VERSION,
+        "device": f"{device.type}:{_device_name(device)}",
+        "dtype": str(next(target.parameters()).dtype),
+        "threads": torch.get_num_threads() if device.type == "cpu" else None,
+        "torch": torch.__version__,
+        "target": getattr(target.config, "_name_or_path", "") or type(target).__name__,
+        "target_config": _config_hash(target.config),
+        "drafter_config": _config_hash(drafter.config),
+        "draft_vocab": None if vocab is None else int(vocab.numel()),
+        "batch_size": int(batch_size),
+        "block_size": int(block_size),
+        "context_length": int(context_length),
+    }
+
+
+@dataclass
+class CostModel:
+    """Seconds per target verify forward of ``k`` new tokens per row (``verify_seconds[k - 1]``, k = 1..B,
+    non-decreasing) and per draft pass, for one (machine, dtype, target, drafter, batch, block) key."""
+
+    verify_seconds: list[float]
+    draft_seconds: float
+    key: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        values = [*self.verify_seconds, self.draft_seconds]
+        positive = all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in values)
+        if not self.verify_seconds or not positive:
+            raise ValueError(
+                f"cost model needs positive finite seconds, got verify={self.verify_seconds} draft={self.draft_seconds}"
+            )
+        self.verify_seconds = monotone_repair(self.verify_seconds)
+
+    @property
+    def block_size(self) -> int:
+        return len(self.verify_seconds)
+
+    def verify(self, tokens: int) -> float:
+        return self.verify_seconds[tokens - 1]
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "verify_seconds": self.verify_seconds, "draft_seconds": self.draft_seconds}
+
+    def table(self) -> str:
+        step = self.verify(1)
+        lines = ["| verified tokens | ms | x AR step |", "|---|---|---|"]
+        lines += [f"| {k} | {s * 1e3:.2f} | {s / step:.2f} |" for k, s in enumerate(self.verify_seconds, 1)]
+        lines.append(f"| draft pass | {self.draft_seconds * 1e3:.2f} | {self.draft_seconds / step:.2f} |")
+        return "\n".join(lines)
+
+    @classmethod
+    def from_dict(cls, data: dict, block_size: int) -> "CostModel":
+        verify, draft = data["verify_seconds"], data["draft_seconds"]
+        if not isinstance(verify, list) or len(verify) != block_size:
+            raise ValueError(f"verify_seconds must list {block_size} values, got {verify!r}")
+        return cls([float(v) for v in verify], float(draft), data.get("key", {}))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | None = None,
+                       context_length: int = 256, repeats: int = 3) -> CostModel:
+    """Time the target's verify forward for k = 1..B new tokens after ``context_length`` cached tokens,
+    and one draft pass (medians of ``repeats``, round-robin over k so drift hits every k alike)."""
+    block_size = block_size or drafter.config.block_size
+    device = next(target.parameters()).device
+    limit = target.config.get_text_config().max_position_embeddings or context_length + block_size
+    context_length = max(1, min(context_length, limit - 2 * block_size))
+    drafter.bind_target(target)
+    layer_ids = drafter.config.target_layer_ids
+    capture = [i + 1 for i in layer_ids]
+    vocab = target.config.get_text_config().vocab_size
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    ids = torch.randint(0, vocab, (batch_size, context_length + block_size), generator=generator).to(device)
+    positions = torch.arange(context_length + block_size, device=device).expand(batch_size, -1)
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=ids[:, :context_length], position_ids=positions[:, :context_length], cache=cache,
+                 use_cache=True, output_hidden_states=capture, logits_to_keep=1)
+    context = DraftContext(drafter, batch_size, context_length + block_size, device)
+    context.append(tapped_features(out.hidden_states, layer_ids), positions[:, :context_length])
+    anchor_pos = torch.full((batch_size,), context_length, device=device)
+
+    def verify(k):
+        target(input_ids=ids[:, context_length : context_length + k],
+               position_ids=positions[:, context_length : context_length + k], cache=cache, use_cache=True,
+               output_hidden_states=capture)
+        cache.crop(-k)
+
+    def draft():
+        drafter.draft_block(ids[:, context_length], anchor_pos, context.kv, context.valid, context.positions,
+                            0.0, None, block_size)
+
+    runs = {k: (lambda k=k: verify(k)) for k in range(1, block_size + 1)}
+    runs[0] = draft
+    times = {k: [] for k in runs}
+    for repeat in range(repeats + 1):  # the first pass warms kernels up and is not counted
+        for k, fn in runs.items():
+            _synchronize(device)
+            started = time.perf_counter()
+            fn()
+            _synchronize(device)
+            if repeat:
+                times[k].append(time.perf_counter() - started)
+    verify_seconds = [statistics.median(times[k]) for k in range(1, block_size + 1)]
+    key = cost_key(target, drafter, batch_size, block_size, context_length)
+    return CostModel(verify_seconds, statistics.median(times[0]), key)
+
+
+_MEMORY: dict[tuple, tuple] = {}  # quick key -> (weakref target, weakref drafter, CostModel)
+
+
+def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | None = None,
+                               context_length: int = 256, cache_dir: str | Path | None = None,
+                               refresh: bool = False) -> CostModel:
+    """The cached cost model for this key (memory, then ``cache_dir``), measured and stored when missing.
+
+    A cache file that is unreadable, for another key, or holds non-positive / non-finite seconds is
+    ignored with a warning and measured again (never trusted).
+    """
+    block_size = block_size or drafter.config.block_size
+    parameter = next(target.parameters())
+    vocab = drafter.draft_vocab
+    # Per-call fast path (hashing configs costs milliseconds): the same objects, dtype, device and shape.
+    quick = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
+             block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()))
+    remembered = _MEMORY.get(quick)
+    if not refresh and remembered is not None and remembered[0]() is target and remembered[1]() is drafter:
+        return remembered[2]
+    key = cost_key(target, drafter, batch_size, block_size, context_length)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    path = Path(cache_dir or cost_cache_dir()) / f"cost_model-{digest}.json"
+    if not refresh and path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("key") != key:
+                raise ValueError("it was measured for another key")
+            model = CostModel.from_dict(data, block_size)
+            _MEMORY[quick] = (weakref.ref(target), weakref.ref(drafter), model)
+            return model
+        except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+            warnings.warn(f"ignoring the cost-model cache file {path}: {error}; measuring again", stacklevel=2)
+    model = measure_cost_model(target, drafter, batch_size, block_size, context_length)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(model.as_dict(), indent=1) + "\n")
+        os.replace(tmp, path)
+    except OSError as error:  # a read-only home still generates, only slower to start next time
+        warnings.warn(f"could not write the cost-model cache {path}: {error}", stacklevel=2)
+    _MEMORY[quick] = (weakref.ref(target), weakref.ref(drafter), model)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------- policies
+class VerifyPolicy:
+    """How many of a round's drafted tokens to verify. One instance serves one generation call.
+
+    The loop asks ``wants_draft()`` (host, before drafting), then ``choose(confidence)`` (a device
+    scalar or an int; it rides on the loop's one host read), tells the result back with ``chosen(k)``
+    and the outcome with ``observe(confidence, k, accepted)`` (device tensors, no host read).
+    """
+
+    def start(self, block_size: int) -> "VerifyPolicy":
+        self.block_size = block_size
+        return self
+
+    def wants_draft(self) -> bool:
+        return True
+
+    def choose(self, confidence: torch.Tensor | None) -> torch.Tensor | int:
+        return self.block_size - 1
+
+    def chosen(self, k: int) -> None:
+        pass
+
+    def observe(self, confidence: torch.Tensor | None, k: int, accepted: torch.Tensor) -> None:
+        pass
+
+
+class FixedVerifyLength(VerifyPolicy):
+    """Verify every drafted token, every round (``adaptive=False``)."""
+
+
+class ForcedVerifyLengths(VerifyPolicy):
+    """Verify ``lengths[r]`` drafts in round ``r`` (cycled), or ``lengths(r)`` for a callable (tests,
+    experiments). Values are clipped to 0..B-1. With ``draft_when_zero=False`` a 0 round skips drafting."""
+
+    def __init__(self, lengths: Sequence[int] | Callable[[int], int], draft_when_zero: bool = False):
+        if not callable(lengths) and (len(lengths) == 0 or any(int(k) < 0 for k in lengths)):
+            raise ValueError(f"forced verify lengths must be a non-empty list of integers >= 0, got {lengths!r}")
+        self.lengths, self.draft_when_zero = lengths, draft_when_zero
+
+    def start(self, block_size: int) -> "ForcedVerifyLengths":
+        self.round, self.history = 0, []  # history: the k handed out, round by round
+        return super().start(block_size)
+
+    def _next(self) -> int:
+        k = self.lengths(self.round) if callable(self.lengths) else self.lengths[self.round % len(self.lengths)]
+        return min(max(int(k), 0), self.block_size - 1)
+
+    def wants_draft(self) -> bool:
+        if self._next() == 0 and not self.draft_when_zero:
+            self.choose(None)  # an AR step: this round needs no draft
+            return False
+        return True
+
+    def choose(self, confidence):
+        k = self._next()
+        self.round += 1
+        self.history.append(k)
+        return k
+
+
+class AdaptiveVerifyPolicy(VerifyPolicy):
+    """Maximise expected committed tokens per second (see the module docstring).
+
+    cost: the ``CostModel`` for this batch size and block; prior_strength ``c`` (per position) and
+    pooled_prior ``c0``: pseudo-counts of the calibration; max_skip: longest run of AR steps between probes.
+    """
+
+    def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32):
+        self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
+
+    def start(self, block_size: int) -> "AdaptiveVerifyPolicy":
+        if block_size > self.cost.block_size:
+            raise ValueError(
+                f"cost model covers blocks up to {self.cost.block_size}, the call uses block_size={block_size}"
+            )
+        self.observed = self.predicted = None  # [S] device accumulators, allocated on first use
+        self.skip, self.to_skip = 0, 0
+        return super().start(block_size)
+
+    def wants_draft(self) -> bool:
+        if self.to_skip > 0:
+            self.to_skip -= 1
+            return False
+        return True
+
+    def _ratio(self, like: torch.Tensor) -> torch.Tensor:
+        s = self.block_size - 1
+        if self.observed is None:
+            self.observed = torch.zeros(s, dtype=torch.float32, device=like.device)
+            self.predicted = torch.zeros(s, dtype=torch.float32, device=like.device)
+            verify = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
+            self._round_cost = verify + self.cost.draft_seconds  # [S + 1]: verify k + 1 tokens after a draft
+            self._step_cost = self.cost.verify(1)
+        pooled = (self.observed.sum() + self.pooled_prior) / (self.predicted.sum() + self.pooled_prior)
+        return (self.observed + self.prior_strength * pooled) / (self.predicted + self.prior_strength)
+
+    def choose(self, confidence):
+        if confidence is None:
+            return self.block_size - 1  # a drafter that reports no confidence: nothing to choose with
+        a = (confidence.float() * self._ratio(confidence)).clamp(0.0, 1.0)  # [N, S]
+        reach = a.cumprod(dim=-1)
+        expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
+        rate = expected / self._round_cost  # [S + 1], summed over rows
+        rate[0] = confidence.shape[0] / self._step_cost  # a plain step pays no draft
+        return rate.argmax()
+
+    def chosen(self, k: int) -> None:
+        if k == 0:  # drafting did not pay: back off, probe again later
+            self.skip = min(max(1, 2 * self.skip), self.max_skip)
+            self.to_skip = self.skip
+        else:
+            self.skip = 0
+
+    def observe(self, confidence, k, accepted) -> None:
+        if confidence is None or k == 0:
+            return
+        self._ratio(confidence)
+        position = torch.arange(self.block_size - 1, device=accepted.device)
+        verified = position < k
+        reached = (accepted[:, None] >= position) & verified
+        passed = (accepted[:, None] > position) & verified
+        self.observed += passed.float().sum(0)
+        self.predicted += (confidence.float() * reached).sum(0)
+
+
+def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
+                      policy: VerifyPolicy | None = None, cost_model: CostModel | None = None) -> VerifyPolicy:
+    """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached) or fixed."""
+    if policy is not None:
+        if not isinstance(policy, VerifyPolicy):
+            raise TypeError(
+                f"verify_policy must be a VerifyPolicy (e.g. ForcedVerifyLengths), got {type(policy).__name__}"
+            )
+        return policy.start(block_size)
+    if not adaptive:
+        return FixedVerifyLength().start(block_size)
+    if cost_model is None:
+        # Keep the measurement's prefill around 4k tokens, whatever the batch.
+        context = min(256, max(16, 4096 // batch_size))
+        cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
+    return AdaptiveVerifyPolicy(cost_model).start(block_size)

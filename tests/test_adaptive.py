@@ -1,0 +1,227 @@
+"""Adaptive verify length: forced k sequences stay token-identical, the law of sampling is kept, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_dflash2 import speculative_generate
+from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, ForcedVerifyLengths
+from hf_dflash2.modeling_dflash2 import DraftOutput
+
+from .conftest import tiny_drafter, tiny_target
+from .test_generation import OracleDrafter, _pair_distribution, plain
+
+FORCED = [0, 4, 1, 0, 0, 2, 4, 1, 0]  # includes 0 (plain steps, several in a row) and B - 1 = 4; never 3
+
+
+@pytest.fixture(autouse=True)
+def _cost_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path_factory.getbasetemp() / "cost_models"))
+
+
+def _expected_histogram(sequence, rounds, block_size):
+    counts = [0] * block_size
+    for r in range(rounds):
+        counts[sequence[r % len(sequence)]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+@pytest.mark.parametrize("draft_when_zero", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_forced_lengths_fast_loop_greedy_identity(dflash2, draft_when_zero, batch):
+    """Left-padded rows and an oracle drafter (long acceptances), every k in FORCED."""
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=5)
+    generator = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(2, 64, (n,), generator=generator) for n in (6, 3, 6)][:batch]
+    width = 6
+    ids, mask = torch.zeros(batch, width, dtype=torch.long), torch.zeros(batch, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    alone = [plain(target, p[None], 30)[0, len(p):] for p in prompts]
+    oracle = OracleDrafter(drafter, torch.stack(alone), torch.tensor([len(p) for p in prompts]))
+    policy = ForcedVerifyLengths(FORCED, draft_when_zero=draft_when_zero)
+    out = speculative_generate(target, oracle, ids, attention_mask=mask, max_new_tokens=30, verify_policy=policy)
+    for row in range(batch):
+        assert torch.equal(out.sequences[row, width:], alone[row]), row
+    histogram = out.stats.verify_length_histogram
+    assert out.stats.accepted > 0  # drafts were really kept, so truncation mattered
+    assert histogram[3] == 0 and all(histogram[k] > 0 for k in (0, 1, 2, 4)), histogram
+    if batch == 1:
+        rounds = out.stats.rounds
+        assert histogram == _expected_histogram(FORCED, rounds, 5)
+        drafted = sum(1 for r in range(rounds) if FORCED[r % len(FORCED)] or draft_when_zero)
+        assert drafted <= oracle.calls <= drafted + 1  # + the draft of the round that finds every row done
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_forced_lengths_generate_path_greedy_identity(dflash2):
+    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=5)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(22))
+    expected = plain(target, ids, 30)
+    oracle = OracleDrafter(drafter, expected[:, 6:], torch.tensor([6]))
+    original = DFlash2CandidateGenerator.__init__
+
+    def patched(self, drafter_, *a, **k):
+        original(self, oracle, *a, **k)
+
+    drafter.verify_policy = policy = ForcedVerifyLengths(FORCED)
+    DFlash2CandidateGenerator.__init__ = patched
+    try:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+    finally:
+        DFlash2CandidateGenerator.__init__ = original
+        del drafter.verify_policy
+    assert torch.equal(out, expected)
+    stats = oracle.last_speculative_stats
+    assert stats.accepted > 0
+    history = policy.history
+    assert history == [FORCED[r % len(FORCED)] for r in range(len(history))] and len(history) >= len(FORCED)
+    histogram = stats.verify_length_histogram  # the last rounds may be shortened by the token budget
+    assert histogram[3] == 0 and all(histogram[k] > 0 for k in (0, 1, 2, 4)), histogram
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_adaptive_default_is_greedy_identical_on_both_paths(dflash2):
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=5)
+    ids = torch.randint(2, 64, (2, 5), generator=torch.Generator().manual_seed(23))
+    # cheap verifies: the policy drafts and verifies some drafts, not always all of them
+    cost = CostModel([1.0, 1.05, 1.3, 1.8, 2.6], 0.05)
+    out = speculative_generate(target, drafter, ids, max_new_tokens=24, cost_model=cost)
+    for row in range(2):
+        expected = plain(target, ids[row:row + 1], 24)
+        assert torch.equal(out.sequences[row:row + 1], expected)
+        drafter.verify_cost_model = cost
+        try:
+            assert torch.equal(target.generate(ids[row:row + 1], assistant_model=drafter, max_new_tokens=24,
+                                               do_sample=False), expected)
+        finally:
+            del drafter.verify_cost_model
+    assert out.stats.rounds > 0 and sum(out.stats.verify_length_histogram) == out.stats.rounds
+
+
+def test_adaptive_policy_prefers_plain_steps_for_a_useless_draft_and_backs_off():
+    """A never-accepted but confident drafter: the calibration learns it, the loop turns to AR steps."""
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(24))
+
+    seen = set(plain(target, ids, 60)[0].tolist())
+    unused = next(t for t in range(2, 64) if t not in seen)
+
+    class Wrong:
+        calls = 0
+
+        def __getattr__(self, name):
+            return getattr(drafter, name)
+
+        def draft_block(self, *args, **kwargs):
+            Wrong.calls += 1
+            out = drafter.draft_block(*args, **kwargs)
+            tokens = torch.full_like(out.tokens, unused)  # never the target's choice
+            return DraftOutput(tokens, tokens[..., None], torch.ones(*tokens.shape, 1), out.logits, out.hidden,
+                               torch.full(tokens.shape, 0.95))
+
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    out = speculative_generate(target, Wrong(), ids, max_new_tokens=60, cost_model=cost)
+    assert torch.equal(out.sequences, plain(target, ids, 60))
+    histogram = out.stats.verify_length_histogram
+    assert histogram[0] > 40  # most rounds are plain steps
+    assert Wrong.calls < 15  # and most of those skip the draft (probes back off)
+
+
+def test_adaptive_policy_choice_follows_cost_and_confidence():
+    cost = CostModel([1.0, 1.0, 1.0, 1.0, 4.0], 0.1)
+    policy = AdaptiveVerifyPolicy(cost, prior_strength=1e-6, pooled_prior=1e-6).start(5)
+    sure = torch.ones(2, 4)
+    assert int(policy.choose(sure)) == 3  # k = 4 would need 5 tokens, which cost 4x
+    assert int(policy.choose(torch.full((2, 4), 0.01))) == 0
+    assert int(policy.choose(torch.tensor([[0.9, 0.9, 0.0, 0.9]]))) == 2
+    # observed acceptance far below the claimed confidence shrinks what the policy expects
+    policy.observe(sure, 3, torch.zeros(2, dtype=torch.long))
+    assert int(policy.choose(torch.full((2, 4), 0.9))) == 0
+    policy.chosen(0)
+    assert [policy.wants_draft() for _ in range(2)] == [False, True]
+    policy.chosen(0)
+    assert [policy.wants_draft() for _ in range(3)] == [False, False, True]
+    with pytest.raises(ValueError, match="block_size=6"):
+        AdaptiveVerifyPolicy(cost).start(6)
+    with pytest.raises(ValueError, match="non-empty list"):
+        ForcedVerifyLengths([])
+    with pytest.raises(TypeError, match="VerifyPolicy"):
+        small = tiny_target(vocab_size=64)
+        speculative_generate(small, tiny_drafter(small), torch.tensor([[3, 4]]), verify_policy=[1, 2])
+
+
+def _pair_counts(target, drafter, prompt, runs, per_call, seed, **kwargs):
+    counts = torch.zeros(target.config.vocab_size, target.config.vocab_size)
+    generator = torch.Generator().manual_seed(seed)
+    histogram = torch.zeros(drafter.config.block_size, dtype=torch.long)
+    for start in range(0, runs, per_call):
+        n = min(per_call, runs - start)
+        out = speculative_generate(target, drafter, prompt.repeat(n, 1), max_new_tokens=2, do_sample=True,
+                                   temperature=1.3, top_k=8, top_p=0.95, generator=generator, **kwargs)
+        pairs = out.sequences[:, prompt.shape[1]:prompt.shape[1] + 2]
+        counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(n), accumulate=True)
+        histogram += torch.tensor(out.stats.verify_length_histogram)
+    return counts, histogram
+
+
+def _tv(counts, exact):
+    return float(0.5 * (counts / counts.sum() - exact).abs().sum())
+
+
+@pytest.mark.parametrize("dflash2", [True, False])
+def test_sampling_law_with_adaptive_and_forced_lengths(dflash2):
+    """20,000 adaptive runs, then 5,000 runs for each forced k = 0..3: the law of the first two tokens is
+    the target's (bounds as in test_generation's lossless test)."""
+    target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, selector_top_k=4, mask_token_id=1)
+    prompt = torch.tensor([[3, 7, 1, 5]])
+    exact = _pair_distribution(target, prompt, 1.3, 8, 0.95)
+    cost = CostModel([1.0, 1.0, 1.0, 1.0], 0.05)  # cheap drafts: the adaptive policy verifies drafts
+    counts, histogram = _pair_counts(target, drafter, prompt, 20_000, 5_000, 1234, cost_model=cost)
+    assert histogram[1:].sum() > 0  # drafts were verified
+    assert _tv(counts, exact) < 0.05
+    for k in range(4):
+        counts, histogram = _pair_counts(target, drafter, prompt, 5_000, 5_000, 99 + k,
+                                         verify_policy=ForcedVerifyLengths([k], draft_when_zero=True))
+        assert histogram[k] == histogram.sum() > 0
+        assert _tv(counts, exact) < 0.08, (k, _tv(counts, exact))
+
+
+def test_the_law_statistic_detects_a_verify_length_that_peeks_at_the_sampled_draft():
+    """Negative control for the tests above. The loop shares k across rows, so a per-row rule is built
+    from its acceptance step directly: 20,000 rows draft x ~ q; a rule that verifies the draft only where x
+    is q's mode (so k depends on the sampled token) breaks the law of the output, and the TV statistic sees
+    it; the same share of rows chosen independently of x keeps it."""
+    from hf_dflash2.generation import _Sampler
+
+    p = torch.tensor([0.40, 0.20, 0.12, 0.10, 0.08, 0.05, 0.03, 0.02])
+    q = torch.tensor([0.35, 0.05, 0.20, 0.15, 0.10, 0.05, 0.05, 0.05])
+    n, generator = 20_000, torch.Generator().manual_seed(5)
+    sampler = _Sampler(True, 1.0, None, None, generator)
+    x = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=generator)  # [n, 1]
+    logits = p.log().expand(n, 2, -1)  # the target's law at both verified positions
+    draft = DraftOutput(x, torch.arange(8).expand(n, 1, -1), q.expand(n, 1, -1), None, None)
+
+    def output_law(verify: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(n, dtype=torch.long)
+        keep = verify.nonzero().flatten()
+        _, tokens = sampler.accept(x[keep], DraftOutput(x[keep], draft.q_ids[keep], draft.q_probs[keep], None, None),
+                                   logits[keep])
+        out[keep] = tokens[:, 0]
+        rest = (~verify).nonzero().flatten()
+        out[rest] = sampler.accept(x[rest, :0], None, logits[rest, :1])[1][:, 0]
+        return torch.bincount(out, minlength=8).float() / n
+
+    peeking = x[:, 0] == q.argmax()
+    blind = torch.rand(n, generator=generator) < peeking.float().mean()
+    assert float(0.5 * (output_law(blind) - p).abs().sum()) < 0.02
+    assert float(0.5 * (output_law(peeking) - p).abs().sum()) > 0.1
