@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # name -> train flags that differ from the base arm. The base: KL to the target's top-32, 2 layers, B = 16.
 ARMS = {
-    "base (kl, 2 layers, B=16, lr 1e-3, 32 anchors)": [],
+    "base: kl, 2 layers, B=16": [],
     "labels: data tokens": ["--label-source", "data"],
     "labels: target argmax": ["--label-source", "argmax"],
     "1 layer": ["--layers", "1"],
@@ -36,7 +36,8 @@ ARMS = {
     "64 anchors x 2 sequences": ["--anchors", "64", "--batch-size", "2"],
     "DFlash-1 (no conv, no selector)": ["--dflash1"],
 }
-BASE = ["--label-source", "kl", "--layers", "2", "--block-size", "16", "--lr", "1e-3", "--anchors", "32", "--batch-size", "4"]
+BASE = ["--label-source", "kl", "--layers", "2", "--block-size", "16", "--lr", "1e-3", "--anchors", "32", "--batch-size", "4",
+        "--selector-rank", "128", "--mask-token-id", "0"]
 
 
 def slug(name: str) -> str:

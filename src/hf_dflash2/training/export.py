@@ -18,6 +18,7 @@ import torch
 def export_head(
     run_dir: str | Path, head_dir: str | Path, step: int | None = None, base_model: str | None = None,
     fallback: dict | None = None, data_path: str | None = None, max_sequences: int | None = None,
+    data_description: str | None = None,
 ) -> Path:
     from ..assets import load_target
     from ..hub import save_head
@@ -48,7 +49,13 @@ def export_head(
         "selector_weight": config["selector_weight"],
         "vocab_subset": config["vocab_subset"],
         "seed": config["seed"],
-        "data": "SmolLM2-135M-Instruct's own greedy responses to ShareGPT first turns (regenerated)",
+        "label_source": config.get("label_source", "data"),
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "mixed_precision": config.get("mixed_precision"),
+        "block_positions": state["history"][-1].get("block_positions") if state["history"] else None,
+        "train_minutes": round(state["history"][-1].get("train_seconds", 0) / 60, 1) if state["history"] else None,
+        "data": data_description or config.get("extra", {}).get("data")
+        or "SmolLM2-135M-Instruct's own greedy responses to ShareGPT first turns (regenerated)",
         "final_loss_mean_last_25": sum(h["loss"] for h in state["history"][-25:]) / max(1, len(state["history"][-25:])),
     }
     (folder / "training_recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
@@ -90,7 +97,11 @@ def _drafter_from_state(target, state, fallback: dict):
     else:
         raise ValueError("checkpoint has no drafter_config: pass --target-layer-ids, --mask-token-id and --block-size")
     drafter = new_drafter_for(target, num_hidden_layers=layers, dflash2=dflash2, **kwargs)
-    assert len(drafter.config.target_layer_ids) == taps
+    if len(drafter.config.target_layer_ids) != taps:
+        raise ValueError(
+            f"checkpoint's fc.weight reads {taps} tapped layers, but its target_layer_ids "
+            f"{drafter.config.target_layer_ids} name {len(drafter.config.target_layer_ids)}"
+        )
     return drafter
 
 
@@ -104,12 +115,14 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--data", default=None, help="training data, for checkpoints that do not record their vocab subset")
     parser.add_argument("--max-sequences", type=int, default=None)
+    parser.add_argument("--data-description", default=None, help="what the head was trained on, for the card")
     args = parser.parse_args(argv)
     fallback = None
     if args.target_layer_ids:
         fallback = {"target_layer_ids": [int(i) for i in args.target_layer_ids.split(",")], "mask_token_id": args.mask_token_id,
                     "block_size": args.block_size, "selector_top_k": 16}
-    print(export_head(args.run_dir, args.head_dir, args.step, fallback=fallback, data_path=args.data, max_sequences=args.max_sequences))
+    print(export_head(args.run_dir, args.head_dir, args.step, fallback=fallback, data_path=args.data, max_sequences=args.max_sequences,
+                      data_description=args.data_description))
     return 0
 
 
