@@ -36,8 +36,24 @@ ARMS = {
     "64 anchors x 2 sequences": ["--anchors", "64", "--batch-size", "2"],
     "DFlash-1 (no conv, no selector)": ["--dflash1"],
 }
-BASE = ["--label-source", "kl", "--layers", "2", "--block-size", "16", "--lr", "1e-3", "--anchors", "32", "--batch-size", "4",
-        "--selector-rank", "128", "--mask-token-id", "0"]
+BASE = [
+    "--label-source",
+    "kl",
+    "--layers",
+    "2",
+    "--block-size",
+    "16",
+    "--lr",
+    "1e-3",
+    "--anchors",
+    "32",
+    "--batch-size",
+    "4",
+    "--selector-rank",
+    "128",
+    "--mask-token-id",
+    "0",
+]
 
 
 def slug(name: str) -> str:
@@ -59,11 +75,39 @@ def arm_command(args, name: str, flags: list[str]) -> list[str]:
     # Same block positions per step in every arm: B = 8 arms see proportionally more anchors.
     if block != 16 and "--anchors" not in flags:
         merged["--anchors"] = str(int(merged["--anchors"]) * 15 // (block - 1))
-    command = [sys.executable, "-m", "hf_dflash2.cli", "train", "--store", args.store, "--output", str(args.runs / slug(name)),
-               "--max-sequences", str(args.sequences), "--steps", str(args.steps), "--eval-every", str(args.steps),
-               "--eval-prompts", str(args.eval_prompts), "--eval-max-new-tokens", str(args.eval_tokens),
-               "--checkpoint-every", "25", "--log-every", "25", "--seed", "0", "--threads", "1", "--resume",
-               "--draft-vocab-size", str(args.draft_vocab_size), "--mixed-precision", args.mixed_precision]
+    command = [
+        sys.executable,
+        "-m",
+        "hf_dflash2.cli",
+        "train",
+        "--store",
+        args.store,
+        "--output",
+        str(args.runs / slug(name)),
+        "--max-sequences",
+        str(args.sequences),
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.steps),
+        "--eval-prompts",
+        str(args.eval_prompts),
+        "--eval-max-new-tokens",
+        str(args.eval_tokens),
+        "--checkpoint-every",
+        "25",
+        "--log-every",
+        "25",
+        "--seed",
+        "0",
+        "--threads",
+        "1",
+        "--resume",
+        "--draft-vocab-size",
+        str(args.draft_vocab_size),
+        "--mixed-precision",
+        args.mixed_precision,
+    ]
     for flag, value in merged.items():
         command += [flag, value]
     return command + extra
@@ -88,7 +132,9 @@ def run_arms(args, names: list[str]) -> None:
             (args.runs / slug(name)).mkdir(parents=True, exist_ok=True)
             log = open(args.runs / slug(name) / "train.log", "a")
             print(f"start  {name}", flush=True)
-            running.append((name, subprocess.Popen(arm_command(args, name, ARMS[name]), cwd=ROOT, env=env, stdout=log, stderr=log)))
+            running.append(
+                (name, subprocess.Popen(arm_command(args, name, ARMS[name]), cwd=ROOT, env=env, stdout=log, stderr=log))
+            )
         time.sleep(5)
         for name, process in list(running):
             if process.poll() is not None:
@@ -102,22 +148,26 @@ def collect(args, names: list[str]) -> dict:
         result = finished(args.runs / slug(name))
         if result is None:
             continue
-        rows.append({
-            "arm": name,
-            "flags": ARMS[name],
-            "heldout_tau": round(result["eval_tau"], 3),
-            "per_position": [round(x, 3) for x in result.get("eval_per_position", [])[:6]],
-            "final_loss": round(result["loss"], 3),
-            "block_positions": result.get("block_positions"),
-            "train_minutes": round(result.get("train_seconds", 0) / 60, 1),
-        })
+        rows.append(
+            {
+                "arm": name,
+                "flags": ARMS[name],
+                "heldout_tau": round(result["eval_tau"], 3),
+                "per_position": [round(x, 3) for x in result.get("eval_per_position", [])[:6]],
+                "final_loss": round(result["loss"], 3),
+                "block_positions": result.get("block_positions"),
+                "train_minutes": round(result.get("train_seconds", 0) / 60, 1),
+            }
+        )
     return {
         "command": " ".join(["python", "benchmarks/recipe_arms.py"] + sys.argv[1:]),
-        "store": args.store, "sequences": args.sequences, "steps": args.steps,
-        "eval": f"greedy fast loop, fixed block, {args.eval_prompts} held-out prompts (HumanEval/MT-Bench alternating), "
-                f"{args.eval_tokens} new tokens",
-        "note": "arms ran two at a time, one thread each, on a 2-core CPU shared with other work: minutes are not comparable; "
-                "block positions are",
+        "store": args.store,
+        "sequences": args.sequences,
+        "steps": args.steps,
+        "eval": f"greedy fast loop, fixed block, {args.eval_prompts} held-out prompts "
+        f"(HumanEval/MT-Bench alternating), {args.eval_tokens} new tokens",
+        "note": f"arms ran {args.parallel} at a time, one thread each, on a 2-core CPU shared with other work: "
+        "minutes are not comparable, block positions are",
         "arms": rows,
     }
 
@@ -125,10 +175,15 @@ def collect(args, names: list[str]) -> dict:
 def write_results(report: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "recipe_arms.json").write_text(json.dumps(report, indent=1))
-    lines = ["| arm | held-out tau | acceptance pos 1..6 | final loss | block positions | minutes |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| arm | held-out tau | acceptance pos 1..6 | final loss | block positions | minutes |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in report["arms"]:
-        lines.append(f"| {row['arm']} | {row['heldout_tau']:.2f} | {', '.join(f'{x:.2f}' for x in row['per_position'])} | "
-                     f"{row['final_loss']:.2f} | {row['block_positions']:,} | {row['train_minutes']} |")
+        lines.append(
+            f"| {row['arm']} | {row['heldout_tau']:.2f} | {', '.join(f'{x:.2f}' for x in row['per_position'])} | "
+            f"{row['final_loss']:.2f} | {row['block_positions']:,} | {row['train_minutes']} |"
+        )
     table = "\n".join(lines)
     (out / "recipe_arms.md").write_text(f"`{report['command']}`\n\n{report['eval']}\n\n{table}\n")
     print(table)

@@ -55,8 +55,14 @@ def draw(points: list[dict], title: str, path: Path, extra: dict[str, list[dict]
         xs = [p["block_positions"] / 1e6 for p in series]
         ax.plot(xs, [p["heldout_tau"] for p in series], marker="o", label=label)
     for p in points:
-        ax.annotate(f"{p['train_minutes']:.0f} min", (p["block_positions"] / 1e6, p["heldout_tau"]),
-                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+        ax.annotate(
+            f"{p['train_minutes']:.0f} min",
+            (p["block_positions"] / 1e6, p["heldout_tau"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=7,
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("block positions trained (millions)")
     ax.set_ylabel("held-out tau (greedy, fixed block)")
@@ -77,13 +83,19 @@ def main() -> int:
         raise SystemExit(f"{args.run}: no evaluation points yet (train with --eval-every)")
     extra = {str(run): curve(load_history(run)) for run in args.compare}
     args.output.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(["python", "benchmarks/tau_curve.py"] + sys.argv[1:]), "run": str(args.run),
-              "points": points, "compare": extra}
+    report = {
+        "command": " ".join(["python", "benchmarks/tau_curve.py"] + sys.argv[1:]),
+        "run": str(args.run),
+        "points": points,
+        "compare": extra,
+    }
     (args.output / "tau_curve.json").write_text(json.dumps(report, indent=1))
     draw(points, str(args.run), args.output / "tau_curve.png", extra)
     for p in points:
-        print(f"step {p['step']:5d}  {p['block_positions'] / 1e6:6.2f}M positions  {p['train_minutes']:6.1f} min  "
-              f"tau {p['heldout_tau']:.2f}  pos1..: {p['per_position']}")
+        print(
+            f"step {p['step']:5d}  {p['block_positions'] / 1e6:6.2f}M positions  {p['train_minutes']:6.1f} min  "
+            f"tau {p['heldout_tau']:.2f}  pos1..: {p['per_position']}"
+        )
     return 0
 
 

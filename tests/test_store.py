@@ -36,15 +36,21 @@ def random_records(n=7, vocab=64, seed=0):
 
 
 def meta_for(target, top_k=8):
-    return StoreMeta(target="tiny", target_layer_ids=LAYERS, hidden_size=target.config.hidden_size,
-                     vocab_size=target.config.vocab_size, top_k=top_k)
+    return StoreMeta(
+        target="tiny",
+        target_layer_ids=LAYERS,
+        hidden_size=target.config.hidden_size,
+        vocab_size=target.config.vocab_size,
+        top_k=top_k,
+    )
 
 
 def test_store_labels_equal_a_fresh_target_forward(tmp_path):
     target = tiny_target(vocab_size=64)
     records = random_records()
-    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_batch=96,
-                        tokens_per_shard=50)
+    store = build_store(
+        target, records, FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_batch=96, tokens_per_shard=50
+    )
     assert len(store.shards) > 1, "the test should cover several shards"
     reopened = FeatureStore(tmp_path / "s")
     assert len(reopened) == len(records) and reopened.num_tokens == sum(len(r["input_ids"]) for r in records)
@@ -189,8 +195,16 @@ def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source):
     records = [{"id": str(i), **s} for i, s in enumerate(toy_sequences())]
     store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target, top_k=8)))
     drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=LAYERS)
-    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=40, batch_size=2, anchors_per_sequence=6,
-                            checkpoint_every=100, learning_rate=5e-3, mixed_precision="bf16", label_source=label_source)
+    config = TrainingConfig(
+        output_dir=str(tmp_path / "run"),
+        steps=40,
+        batch_size=2,
+        anchors_per_sequence=6,
+        checkpoint_every=100,
+        learning_rate=5e-3,
+        mixed_precision="bf16",
+        label_source=label_source,
+    )
     trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
     history = trainer.train()
     first, last = sum(h["loss"] for h in history[:5]) / 5, sum(h["loss"] for h in history[-5:]) / 5

@@ -34,7 +34,14 @@ def make_trainer(tmp_path, steps=6, dflash2=True, **overrides):
     with torch.no_grad():  # a random tiny LM head has tiny weights; a real one's logits span tens of nats
         target.lm_head.weight.mul_(25.0)
     drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, randomize=False)
-    settings = dict(output_dir=str(tmp_path), steps=steps, batch_size=2, anchors_per_sequence=6, checkpoint_every=2, learning_rate=3e-3)
+    settings = dict(
+        output_dir=str(tmp_path),
+        steps=steps,
+        batch_size=2,
+        anchors_per_sequence=6,
+        checkpoint_every=2,
+        learning_rate=3e-3,
+    )
     config = TrainingConfig(**{**settings, **overrides})
     return Trainer(target, drafter, toy_sequences(), config)
 
@@ -43,7 +50,9 @@ def test_blocks_and_anchors():
     seq = {"input_ids": list(range(10, 30)), "response_start": 5}
     anchors = sample_anchors(20, 5, 100, torch.Generator().manual_seed(0))
     assert anchors.min() >= 5 and anchors.max() <= 18 and len(anchors) == 14
-    block_ids, labels, predecessors = sequence_blocks(torch.tensor(seq["input_ids"]), 4, torch.tensor([5, 17]), mask_token_id=1)
+    block_ids, labels, predecessors = sequence_blocks(
+        torch.tensor(seq["input_ids"]), 4, torch.tensor([5, 17]), mask_token_id=1
+    )
     assert block_ids.tolist() == [[15, 1, 1, 1], [27, 1, 1, 1]]
     assert labels.tolist() == [[16, 17, 18], [28, 29, -100]]
     assert predecessors.tolist() == [[15, 16, 17], [27, 28, 29]]
@@ -126,7 +135,8 @@ accelerator = Accelerator(cpu=True)
 trainer = make_trainer(Path({out!r}), steps=4, checkpoint_every=100)
 trainer.config.batch_size = {batch}
 from hf_dflash2.training.trainer import Trainer
-t = Trainer(trainer.target, trainer.accelerator.unwrap_model(trainer.drafter), trainer.sequences, trainer.config, accelerator=accelerator)
+drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+t = Trainer(trainer.target, drafter, trainer.sequences, trainer.config, accelerator=accelerator)
 history = t.train()
 assert accelerator.num_processes == {processes}, accelerator.num_processes
 if accelerator.is_main_process:
@@ -137,13 +147,27 @@ if accelerator.is_main_process:
 def test_two_process_ddp_matches_one_process_same_global_batch(tmp_path):
     """Two gloo processes with 1 sequence each == one process with 2 sequences, within 1e-4 relative."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    single = subprocess.run([sys.executable, "-c", DDP_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "one"), batch=2, processes=1)],
-                            capture_output=True, text=True, timeout=600, env=env)
+    single = subprocess.run(
+        [sys.executable, "-c", DDP_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "one"), batch=2, processes=1)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert "LOSSES" in single.stdout, single.stderr[-2000:]
     script = tmp_path / "ddp.py"
     script.write_text(DDP_SCRIPT.format(repo=str(REPO), out=str(tmp_path / "two"), batch=1, processes=2))
     # torchrun is the launcher `accelerate launch --multi_gpu` drives; accelerate's own multi-CPU mode needs mpirun.
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517", str(script)]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        "29517",
+        str(script),
+    ]
     double = subprocess.run(launcher, capture_output=True, text=True, timeout=600, env=env)
     assert "LOSSES" in double.stdout, double.stderr[-3000:]
     one = json.loads(single.stdout.split("LOSSES", 1)[1].strip().splitlines()[0])
@@ -165,7 +189,9 @@ class FakeTokenizer:
 def test_regeneration_is_resumable_and_repairs_a_torn_line(tmp_path):
     target = tiny_target(vocab_size=64)
     target.generation_config.eos_token_id = 5
-    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (i % 3 + 1)}]} for i in range(7)]
+    prompts = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i} " * (i % 3 + 1)}]} for i in range(7)
+    ]
     out = tmp_path / "regen.jsonl"
     config = RegenerationConfig(batch_size=3, max_new_tokens=6)
     regenerate(target, FakeTokenizer(), prompts, out, config, max_records=4)

@@ -126,4 +126,6 @@ def resolve_precision(choice: str, device: torch.device | str | None = None, pro
 
 def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=None) -> torch.dtype:
     """The torch dtype to load a model in for ``choice`` (``auto`` measures, see ``resolve_precision``)."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[resolve_precision(choice, device, probe)]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[
+        resolve_precision(choice, device, probe)
+    ]

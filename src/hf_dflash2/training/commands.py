@@ -27,7 +27,9 @@ def _defaults(cls) -> dict:
 
 
 def _add_target_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="target folder or Hub id (default: offline SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--target", default=None, help="target folder or Hub id (default: offline SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
     parser.add_argument("--chat-template", default="auto", type=chat_template_argument, help=CHAT_TEMPLATE_HELP)
 
@@ -42,7 +44,6 @@ def _layer_ids(text: str | None) -> list[int] | None:
 
 
 def _load_target(args, precision: str):
-    import torch
 
     from ..assets import load_target
     from ..precision import resolve_dtype
@@ -153,7 +154,9 @@ def cmd_store(args) -> int:
             logger.info("ShareGPT exchanges: %s", report)
         else:
             records.extend(regenerated_records(source, args.max_length))
-    logger.info("store %s: %d sequences / %d tokens already in, dtype %s", args.output, len(store), store.num_tokens, dtype)
+    logger.info(
+        "store %s: %d sequences / %d tokens already in, dtype %s", args.output, len(store), store.num_tokens, dtype
+    )
     build_store(
         target,
         records,
@@ -167,7 +170,9 @@ def cmd_store(args) -> int:
 
 
 def _register_store(sub) -> None:
-    p = sub.add_parser("store", help="run the target once over training text: tapped features + top-k labels (resumable)")
+    p = sub.add_parser(
+        "store", help="run the target once over training text: tapped features + top-k labels (resumable)"
+    )
     _add_target_args(p)
     p.add_argument("--output", required=True, help="store folder (created, or appended to)")
     p.add_argument("--source", default="sharegpt", help="comma-separated: 'sharegpt' and/or regenerated JSONL files")
@@ -245,7 +250,11 @@ def cmd_train(args) -> int:
     trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
     logger.info(
         "training %s head: %d sequences, %d steps, precision %s, labels %s",
-        "DFlash-1" if args.dflash1 else "dFlash 2", len(sequences), args.steps, precision, args.label_source,
+        "DFlash-1" if args.dflash1 else "dFlash 2",
+        len(sequences),
+        args.steps,
+        precision,
+        args.label_source,
     )
     trainer.train(resume=args.resume, stop_after=args.stop_after, stop_after_minutes=args.stop_after_minutes)
     if trainer.accelerator.is_main_process:
@@ -306,10 +315,16 @@ def _register_train(sub) -> None:
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
-    p.add_argument("--draft-vocab-size", type=int, default=d["draft_vocab_size"],
-                   help="with --store: train and draft over the N most frequent label tokens only")
     p.add_argument(
-        "--label-source", choices=["data", "argmax", "kl"], default=d["label_source"],
+        "--draft-vocab-size",
+        type=int,
+        default=d["draft_vocab_size"],
+        help="with --store: train and draft over the N most frequent label tokens only",
+    )
+    p.add_argument(
+        "--label-source",
+        choices=["data", "argmax", "kl"],
+        default=d["label_source"],
         help="data tokens, the target's argmax, or sparse KL to the target's top-k (the last two need --store)",
     )
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)

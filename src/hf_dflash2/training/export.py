@@ -16,8 +16,13 @@ import torch
 
 
 def export_head(
-    run_dir: str | Path, head_dir: str | Path, step: int | None = None, base_model: str | None = None,
-    fallback: dict | None = None, data_path: str | None = None, max_sequences: int | None = None,
+    run_dir: str | Path,
+    head_dir: str | Path,
+    step: int | None = None,
+    base_model: str | None = None,
+    fallback: dict | None = None,
+    data_path: str | None = None,
+    max_sequences: int | None = None,
     data_description: str | None = None,
 ) -> Path:
     from ..assets import load_target
@@ -54,7 +59,8 @@ def export_head(
         "mixed_precision": config.get("mixed_precision"),
         "block_positions": state["history"][-1].get("block_positions") if state["history"] else None,
         "train_minutes": round(state["history"][-1].get("train_seconds", 0) / 60, 1) if state["history"] else None,
-        "data": data_description or config.get("extra", {}).get("data")
+        "data": data_description
+        or config.get("extra", {}).get("data")
         or "SmolLM2-135M-Instruct's own greedy responses to ShareGPT first turns (regenerated)",
         "final_loss_mean_last_25": sum(h["loss"] for h in state["history"][-25:]) / max(1, len(state["history"][-25:])),
     }
@@ -72,7 +78,7 @@ def _data_vocab(state, data_path, config, max_sequences=None) -> list[int]:
     from .trainer import load_sequences
 
     sequences = load_sequences(data_path, config["max_length"])[:max_sequences]
-    return sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
+    return sorted({t for s in sequences for t in s["input_ids"][s["response_start"] :]})
 
 
 def _drafter_from_state(target, state, fallback: dict):
@@ -113,16 +119,31 @@ def main(argv=None) -> int:
     parser.add_argument("--target-layer-ids", default=None, help="only for checkpoints without drafter_config")
     parser.add_argument("--mask-token-id", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--data", default=None, help="training data, for checkpoints that do not record their vocab subset")
+    parser.add_argument(
+        "--data", default=None, help="training data, for checkpoints that do not record their vocab subset"
+    )
     parser.add_argument("--max-sequences", type=int, default=None)
     parser.add_argument("--data-description", default=None, help="what the head was trained on, for the card")
     args = parser.parse_args(argv)
     fallback = None
     if args.target_layer_ids:
-        fallback = {"target_layer_ids": [int(i) for i in args.target_layer_ids.split(",")], "mask_token_id": args.mask_token_id,
-                    "block_size": args.block_size, "selector_top_k": 16}
-    print(export_head(args.run_dir, args.head_dir, args.step, fallback=fallback, data_path=args.data, max_sequences=args.max_sequences,
-                      data_description=args.data_description))
+        fallback = {
+            "target_layer_ids": [int(i) for i in args.target_layer_ids.split(",")],
+            "mask_token_id": args.mask_token_id,
+            "block_size": args.block_size,
+            "selector_top_k": 16,
+        }
+    print(
+        export_head(
+            args.run_dir,
+            args.head_dir,
+            args.step,
+            fallback=fallback,
+            data_path=args.data,
+            max_sequences=args.max_sequences,
+            data_description=args.data_description,
+        )
+    )
     return 0
 
 

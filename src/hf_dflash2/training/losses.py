@@ -109,7 +109,9 @@ def block_loss(
         with torch.no_grad():
             metrics["selector_loss"] = float(selector_loss.detach())
             picked = tables.argmax(-1) == target_index
-            metrics["selector_top1_by_position"] = ((picked & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist()
+            metrics["selector_top1_by_position"] = (
+                (picked & valid).sum(0).float() / valid.sum(0).clamp_min(1)
+            ).tolist()
             metrics["label_in_topk"] = float((found & valid).sum() / valid.sum().clamp_min(1))
     metrics["loss"] = float(loss.detach())
     if not math.isfinite(metrics["loss"]):

@@ -79,7 +79,9 @@ class FeatureStore:
                         )
             self.meta = stored
         elif meta is None:
-            raise FileNotFoundError(f"{self.root}: not a feature store (no meta.json); build one with `hf-dflash2 store`")
+            raise FileNotFoundError(
+                f"{self.root}: not a feature store (no meta.json); build one with `hf-dflash2 store`"
+            )
         else:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = meta_path.with_suffix(".tmp")
@@ -87,7 +89,9 @@ class FeatureStore:
             os.replace(tmp, meta_path)
             self.meta = meta
         self.shards: list[dict] = self._read_index()
-        self._rows: list[tuple[int, int]] = [(s, j) for s, shard in enumerate(self.shards) for j in range(len(shard["ids"]))]
+        self._rows: list[tuple[int, int]] = [
+            (s, j) for s, shard in enumerate(self.shards) for j in range(len(shard["ids"]))
+        ]
         self._arrays: dict[int, dict[str, np.ndarray]] = {}
 
     # ------------------------------------------------------------------ index
@@ -124,7 +128,9 @@ class FeatureStore:
         return {i for shard in self.shards for i in shard["ids"]}
 
     # ------------------------------------------------------------------ writing
-    def append(self, sequences: list[dict], features: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor) -> None:
+    def append(
+        self, sequences: list[dict], features: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
+    ) -> None:
         """Add one shard. ``sequences``: ``{"id", "input_ids", "response_start"}`` in order; the tensors are
         the concatenation over their tokens: features [T, taps*H], topk_ids / topk_logprobs [T, k]."""
         if not self.writable:
@@ -260,7 +266,9 @@ def build_store(
     # Length-sorted inside windows of records: little padding, and a partial store (a run stopped
     # early, or read while it grows) still covers every length in the given order.
     window = 512
-    todo = [r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r["input_ids"]))]
+    todo = [
+        r for i in range(0, len(todo), window) for r in sorted(todo[i : i + window], key=lambda r: len(r["input_ids"]))
+    ]
     device = next(target.parameters()).device
     layer_ids, k = store.meta.target_layer_ids, store.meta.top_k
     pending: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -280,7 +288,10 @@ def build_store(
     while start < len(todo):
         width = len(todo[start]["input_ids"])
         rows = 1
-        while start + rows < len(todo) and max(width, len(todo[start + rows]["input_ids"])) * (rows + 1) <= tokens_per_batch:
+        while (
+            start + rows < len(todo)
+            and max(width, len(todo[start + rows]["input_ids"])) * (rows + 1) <= tokens_per_batch
+        ):
             width = max(width, len(todo[start + rows]["input_ids"]))
             rows += 1
         batch = todo[start : start + rows]
@@ -293,7 +304,9 @@ def build_store(
         features, ids, logprobs = target_labels(target, input_ids.to(device), attention_mask.to(device), layer_ids, k)
         for row, record in enumerate(batch):
             length = len(record["input_ids"])
-            pending.append((record, features[row, :length].cpu(), ids[row, :length].cpu(), logprobs[row, :length].cpu()))
+            pending.append(
+                (record, features[row, :length].cpu(), ids[row, :length].cpu(), logprobs[row, :length].cpu())
+            )
         progress.update(sum(len(r["input_ids"]) for r in batch))
         if sum(len(p[0]["input_ids"]) for p in pending) >= tokens_per_shard:
             flush()
@@ -382,5 +395,7 @@ def regenerated_records(path: str | Path, max_length: int) -> list[dict]:
     for record in read_regenerated(path):
         ids = (record["prompt_ids"] + record["response_ids"])[:max_length]
         if len(ids) - len(record["prompt_ids"]) >= 2:
-            records.append({"id": f"regen/{record['id']}", "input_ids": ids, "response_start": len(record["prompt_ids"])})
+            records.append(
+                {"id": f"regen/{record['id']}", "input_ids": ids, "response_start": len(record["prompt_ids"])}
+            )
     return records

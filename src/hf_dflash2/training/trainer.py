@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..configuration_dflash2 import DFlash2Config
 from ..modeling_dflash2 import DFlash2DraftModel
 from ..speculative_dflash2 import tapped_features
 from .losses import block_loss, decay_gamma
@@ -98,7 +97,9 @@ def store_sequences(store, max_length: int) -> list[dict]:
         if length - response_start >= 2:
             sequences.append({"store_index": index, "num_tokens": length, "response_start": response_start})
     if not sequences:
-        raise ValueError(f"store {store.root}: no sequence with a response of at least 2 tokens within max_length={max_length}")
+        raise ValueError(
+            f"store {store.root}: no sequence with a response of at least 2 tokens within max_length={max_length}"
+        )
     return sequences
 
 
@@ -162,7 +163,9 @@ class Trainer:
             raise ValueError(f"label_source={config.label_source!r} needs a feature store (the target's top-k labels)")
         self.config = config
         self.store = store
-        self.accelerator = accelerator or Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available()
+        )
         self.target = target.to(self.accelerator.device).eval().requires_grad_(False)
         drafter = drafter.to(self.accelerator.device)
         drafter.bind_target(self.target)
@@ -173,7 +176,7 @@ class Trainer:
         if config.vocab_subset == "data" and store is not None:
             self.vocab_subset = store.response_vocabulary(config.draft_vocab_size).to(self.accelerator.device)
         elif config.vocab_subset == "data":
-            tokens = sorted({t for s in sequences for t in s["input_ids"][s["response_start"]:]})
+            tokens = sorted({t for s in sequences for t in s["input_ids"][s["response_start"] :]})
             self.vocab_subset = torch.tensor(tokens, device=self.accelerator.device)
         # The fused kernel matters on CPU: the selector's [V, r] codebooks make the update itself a large
         # share of a step, and the unfused update is several passes over them.
@@ -224,13 +227,17 @@ class Trainer:
         block_ids, labels, predecessors = sequence_blocks(ids, cfg.block_size, anchors, cfg.mask_token_id)
         soft = None
         if self.config.label_source != "data":
-            labels, predecessors, soft = target_labels_for_blocks(item, anchors, cfg.block_size, self.config.label_source)
+            labels, predecessors, soft = target_labels_for_blocks(
+                item, anchors, cfg.block_size, self.config.label_source
+            )
         features = item["features"].to(device)
         num_tokens = features.shape[1]
         positions = torch.arange(num_tokens, device=device)[None]
         anchors = anchors.to(device)[None]
         with self.accelerator.autocast():
-            mask = drafter.block_attention_mask(torch.ones_like(positions, dtype=torch.bool), positions, anchors, cfg.block_size)
+            mask = drafter.block_attention_mask(
+                torch.ones_like(positions, dtype=torch.bool), positions, anchors, cfg.block_size
+            )
             sliding = None
             if cfg.sliding_window is not None:
                 sliding = drafter.block_attention_mask(
@@ -239,7 +246,12 @@ class Trainer:
             block_positions = (anchors[..., None] + torch.arange(cfg.block_size, device=device)).flatten(1)
             embeds = drafter.embed(block_ids.to(device))[None]
             hidden = self.drafter(
-                embeds, block_positions, mask, context_features=features, context_positions=positions, sliding_attention_mask=sliding
+                embeds,
+                block_positions,
+                mask,
+                context_features=features,
+                context_positions=positions,
+                sliding_attention_mask=sliding,
             )[0, :, 1:]  # [n, B-1, H]
             keep = self.config.loss_positions or hidden.shape[1]
             if self.vocab_subset is not None:  # a token the head can never draft is no label
@@ -382,21 +394,26 @@ class Trainer:
         stats = None
         for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
             ids = torch.tensor([prompt_ids], device=self.accelerator.device)
-            result = speculative_generate(self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens,
-                                          adaptive=False)  # tau of the head itself: every round verifies the block
+            result = speculative_generate(
+                self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False
+            )  # tau of the head itself: every round verifies the block
             stats = result.stats if stats is None else stats.merge(result.stats)
         if stats is None:
             return {}
         return {"eval_tau": stats.acceptance_length, "eval_per_position": stats.per_position_acceptance[:8]}
 
     # ----------------------------------------------------------------- the loop
-    def train(self, resume: bool = False, stop_after: int | None = None, stop_after_minutes: float | None = None) -> list[dict]:
+    def train(
+        self, resume: bool = False, stop_after: int | None = None, stop_after_minutes: float | None = None
+    ) -> list[dict]:
         """Run to ``config.steps`` (or ``stop_after`` more steps, or until ``stop_after_minutes`` have passed;
         either way with a checkpoint to resume from). Returns the logged history."""
         if resume:
             self.load_checkpoint()
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
-        progress = tqdm(total=self.config.steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process)
+        progress = tqdm(
+            total=self.config.steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process
+        )
         block_size = self.accelerator.unwrap_model(self.drafter).config.block_size
         per_step = self.config.anchors_per_sequence * self.config.batch_size * self.accelerator.num_processes
         per_step *= self.config.loss_positions or block_size - 1
@@ -421,12 +438,18 @@ class Trainer:
             if self.step % self.config.checkpoint_every == 0 or self.step == last or out_of_time:
                 self.save_checkpoint()
             if out_of_time:
-                logger.info("stopping after %.1f minutes at step %d (resume with --resume)", stop_after_minutes, self.step)
+                logger.info(
+                    "stopping after %.1f minutes at step %d (resume with --resume)", stop_after_minutes, self.step
+                )
                 break
         progress.close()
         return self.history
 
 
-def new_drafter_for(target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True, seed: int = 0, **kwargs) -> DFlash2DraftModel:
+def new_drafter_for(
+    target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True, seed: int = 0, **kwargs
+) -> DFlash2DraftModel:
     """Kept for existing callers: ``DFlash2DraftModel.for_target`` is the public way to build a fresh head."""
-    return DFlash2DraftModel.for_target(target, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs)
+    return DFlash2DraftModel.for_target(
+        target, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs
+    )
