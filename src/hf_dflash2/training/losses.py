@@ -49,6 +49,7 @@ def block_loss(
     selector_weight: float = 1.0,
     soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
     head_weight: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a set of blocks.
 
@@ -60,6 +61,7 @@ def block_loss(
     the cross-entropy to it renormalised over the top-k (KL to the target up to a constant); ids outside
     ``vocab_subset`` are dropped. The selector keeps the hard ``labels``. ``head_weight`` ([V', H], already
     restricted to the subset and in the compute dtype) saves re-gathering the frozen LM head every call.
+    ``logit_scale`` multiplies the unary logits (the trainer's warmup of a fresh head's output scale).
     """
     valid = labels >= 0
     weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
@@ -72,6 +74,8 @@ def block_loss(
     if bias is not None and vocab_subset is not None:
         bias = bias[vocab_subset]
     logits = drafter.finish_logits(F.linear(hidden, head.to(hidden.dtype), bias))
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
     safe_labels = labels.clamp_min(0)
     local_labels = safe_labels if vocab_subset is None else torch.searchsorted(vocab_subset, safe_labels)
     if soft_targets is None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..modeling_dflash2 import DFlash2DraftModel
+from ..modeling_dflash2 import DFlash2DraftModel, calibrated_output_factor
 from ..speculative_dflash2 import tapped_features
 from .losses import block_loss, decay_gamma
 
@@ -188,6 +188,8 @@ class Trainer:
             fused=True,
         )
         warmup = max(1, int(config.warmup_ratio * config.steps))
+        self.warmup_steps = warmup
+        self.output_factor = calibrated_output_factor(drafter, self.target)
 
         def schedule(step):
             if step < warmup:
@@ -268,7 +270,19 @@ class Trainer:
                 self.config.selector_weight if cfg.use_selector else 0.0,
                 soft_targets=soft,
                 head_weight=self.head_weight(hidden.dtype),
+                logit_scale=self.logit_scale(step),
             )
+
+    def logit_scale(self, step: int) -> float:
+        """Geometric ramp from ``output_factor`` to 1 over the warmup steps.
+
+        A fresh head's drafted positions all read the mask token's embedding, so with a tied LM head the
+        mask token's own logit towers over the rest and the first loss is many times a uniform guess's
+        (14x on a trained Gemma3). Scaling the logits down at the start, instead of the output norm's
+        weights, keeps the first loss near uniform without leaving Adam to regrow a tiny norm."""
+        if step >= self.warmup_steps or self.output_factor >= 1.0:
+            return 1.0
+        return self.output_factor ** (1.0 - step / self.warmup_steps)
 
     def head_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The frozen LM head restricted to the training vocabulary, in the compute dtype (made once)."""
