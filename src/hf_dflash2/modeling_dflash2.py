@@ -381,8 +381,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         The config comes from ``DFlash2Config.for_target(target.config, ...)`` (``config_kwargs`` go there).
         The output norm starts at the target's final-norm scale, read off the module itself so that offset
-        conventions (Gemma's ``1 + w``) come out right, and damped so that the head's first predictions
-        are no sharper than a uniform guess (see ``calibrated_output_scale``). Same seed -> same weights.
+        conventions (Gemma's ``1 + w``) come out right. Damping that scale in the weights would make the
+        first predictions uniform but leave a head that needs ~1,000 Adam steps to grow its norm back (seen
+        on SmolLM2: 0.8 % of the scale, loss flat for 40 steps); the trainer instead ramps a logit scale
+        from ``calibrated_output_factor`` to 1 over its warmup. Same seed -> same weights.
         """
         config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size,
                                           dflash2=dflash2, **config_kwargs)
@@ -391,7 +393,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         embed = target.get_input_embeddings().weight
         drafter = cls(config).to(device=embed.device, dtype=embed.dtype)
         with torch.no_grad():
-            drafter.norm.weight.copy_(calibrated_output_scale(drafter, target))
+            drafter.norm.weight.copy_(target_output_scale(target, config.hidden_size))
         return drafter
 
     # ------------------------------------------------------------------ binding to a target
@@ -736,8 +738,15 @@ def target_output_scale(target, hidden_size: int) -> torch.Tensor:
 
 
 @torch.no_grad()
+def calibrated_output_factor(drafter: "DFlash2DraftModel", target) -> float:
+    """A factor <= 1 for a fresh head's logits (see ``calibrated_output_scale``); the trainer's start."""
+    scale = target_output_scale(target, drafter.config.hidden_size)
+    return float((calibrated_output_scale(drafter, target) / scale.clamp_min(1e-6)).median())
+
+
+@torch.no_grad()
 def calibrated_output_scale(drafter: "DFlash2DraftModel", target) -> torch.Tensor:
-    """The fresh head's output-norm scale, [H]: the target's, times a factor <= 1.
+    """The target's output-norm scale, [H], times a factor <= 1.
 
     Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
     the residual, so its output points along that embedding; with a tied LM head the mask token then gets
