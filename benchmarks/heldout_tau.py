@@ -1,0 +1,72 @@
+"""Held-out tau of saved heads, measured exactly as the trainer's evaluation measures a run.
+
+Same prompts (``training.commands.heldout_prompts``: HumanEval and MT-Bench alternating, never in the
+training data), greedy fast loop with a fixed block (the adaptive policy would hide a weak draft), same
+budget. Heads are evaluated side by side in one process, so a new head is compared with the committed
+one on equal terms before it replaces it.
+
+    python benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/flagship/head --prompts 8 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int) -> dict:
+    from hf_dflash2 import DFlash2DraftModel, speculative_generate
+    from hf_dflash2.training.commands import heldout_prompts
+    from hf_dflash2.training.regenerate import encode_prompts
+
+    encoded = encode_prompts(tokenizer, heldout_prompts(prompts), 1024)
+    results = {}
+    for head_dir in head_dirs:
+        drafter = DFlash2DraftModel.from_pretrained(head_dir, dtype=target.dtype).eval()
+        by_set: dict[str, object] = {}
+        for prompt_id, ids in encoded:
+            name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
+            result = speculative_generate(
+                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False
+            )
+            by_set[name] = result.stats if name not in by_set else by_set[name].merge(result.stats)
+            by_set["all"] = result.stats if "all" not in by_set else by_set["all"].merge(result.stats)
+        results[head_dir] = {
+            name: {
+                "tau": round(s.acceptance_length, 3),
+                "per_position": [round(x, 3) for x in s.per_position_acceptance[:6]],
+            }
+            for name, s in by_set.items()
+        }
+        print(head_dir, json.dumps(results[head_dir]), flush=True)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("heads", nargs="+")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
+    args = parser.parse_args()
+    for head in args.heads:
+        if not (Path(head) / "config.json").exists():
+            raise SystemExit(f"{head}: not a head folder (no config.json)")
+    from hf_dflash2.assets import load_target
+
+    target, tokenizer = load_target()
+    results = evaluate(target, tokenizer, args.heads, args.prompts, args.tokens)
+    if args.output:
+        report = {"command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]), "results": results}
+        args.output.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
