@@ -166,7 +166,9 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         if folder and Path(folder).exists():
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
-    target, tokenizer = load_target(args.target, args.gguf_file)
+    from .precision import resolve_dtype
+
+    target, tokenizer = load_target(args.target, args.gguf_file, dtype=resolve_dtype(args.mixed_precision))
     apply_chat_template_option(tokenizer, args.chat_template)
     for folder in heads_paths.values():
         check_head_matches_target(folder, target)
@@ -313,8 +315,9 @@ def print_cost_profile(settings: BenchSettings) -> int:
     """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with."""
     from .assets import load_target
     from .cost_model_dflash2 import load_or_measure_cost_model
+    from .precision import resolve_dtype
 
-    target, _ = load_target(settings.target, settings.gguf_file)
+    target, _ = load_target(settings.target, settings.gguf_file, dtype=resolve_dtype(settings.mixed_precision))
     head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
     model = load_or_measure_cost_model(target, head, settings.batch_size)
     print(f"cost model ({model.key['device']}, {model.key['dtype']}, batch {settings.batch_size}):\n{model.table()}")

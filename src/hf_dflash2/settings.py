@@ -38,6 +38,16 @@ class SamplingSettings:
         validate_sampling(self.temperature, self.top_k, self.top_p)
 
 
+PRECISION_HELP = "auto: bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32"
+
+
+def validate_precision(value: str) -> None:
+    from .precision import PRECISION_CHOICES
+
+    if value not in PRECISION_CHOICES:
+        raise ValueError(f"mixed_precision must be one of {PRECISION_CHOICES}, got {value!r}")
+
+
 @dataclass
 class BenchSettings(SamplingSettings):
     target: str | None = field(default=None, metadata={"help": "target folder or Hub id (default: offline SmolLM2)"})
@@ -50,11 +60,13 @@ class BenchSettings(SamplingSettings):
     batch_size: int = 1
     methods: str = field(default=",".join(BENCH_METHODS), metadata={"help": "comma-separated methods"})
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
+    mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP + " (every method, same dtype)"})
     seed: int = 0
     output: str = "benchmarks/results"
 
     def __post_init__(self):
         super().__post_init__()
+        validate_precision(self.mixed_precision)
         for name in ("limit", "max_new_tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -68,9 +80,11 @@ class DemoSettings(SamplingSettings):
     head: str | None = field(default=None, metadata={"help": "head folder (default: heads/ of a checkout)"})
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
+    mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP + " (both runs, same dtype)"})
 
     def __post_init__(self):
         super().__post_init__()
+        validate_precision(self.mixed_precision)
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
