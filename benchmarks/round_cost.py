@@ -27,6 +27,8 @@ from hf_dflash2.prompts import left_pad  # noqa: E402
 from hf_dflash2.training.trainer import new_drafter_for  # noqa: E402
 
 GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
+# Fixed-block rounds (every round verifies the whole block): benchmarks/adaptive.py measures adaptive ones.
+FIXED = dict(adaptive=False)
 
 
 def main() -> None:
@@ -43,13 +45,14 @@ def main() -> None:
     for block in (16, 8):
         head = new_drafter_for(target, num_hidden_layers=2, block_size=block, selector_rank=128,
                                target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval().bind_target(target)
+        head.adaptive_verify = False  # the Transformers path verifies the whole block too
         with torch.no_grad():
             medians = interleaved({
                 "ar": lambda: target.generate(single, max_new_tokens=n, **GREEDY),
-                "fast": lambda: speculative_generate(target, head, single, max_new_tokens=n),
+                "fast": lambda: speculative_generate(target, head, single, max_new_tokens=n, **FIXED),
                 "hf": lambda: target.generate(single, assistant_model=head, max_new_tokens=n, **GREEDY),
             }, args.repeats)
-            tau = speculative_generate(target, head, single, max_new_tokens=n).stats.acceptance_length
+            tau = speculative_generate(target, head, single, max_new_tokens=n, **FIXED).stats.acceptance_length
         # With tau ~ 1 every token is one round: seconds per token of the loop = cost of a round.
         rows.append({"block_size": block, "tau": tau, "ar_step_ms": medians["ar"] / n * 1e3,
                      "fast_round_ms": medians["fast"] / n * tau * 1e3, "hf_round_ms": medians["hf"] / n * tau * 1e3,
@@ -63,7 +66,7 @@ def main() -> None:
     with torch.no_grad():
         medians = interleaved({
             "ar_b8": lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=tokenizer.pad_token_id, **GREEDY),
-            "fast_b8": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n),
+            "fast_b8": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n, **FIXED),
         }, max(1, args.repeats - 1))
     results["batch8"] = {"ar_tokens_per_s": 8 * n / medians["ar_b8"], "fast_tokens_per_s": 8 * n / medians["fast_b8"]}
     print("\nOne round vs one AR step (untrained head, tau ~ 1), SmolLM2-135M-Instruct fp32:\n")

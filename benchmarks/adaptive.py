@@ -1,0 +1,182 @@
+"""Adaptive verify length vs plain greedy and the fixed block, side by side in one process.
+
+    python benchmarks/adaptive.py --dtype fp32|bf16 [--prompts 3] [--new-tokens 48] [--batch8]
+
+Batch 1, SmolLM2-135M-Instruct, per prompt and interleaved: plain greedy ``generate``, the fast loop with
+the whole block (``adaptive=False``) and adaptive, and ``generate(assistant_model=head)`` adaptive, for a
+fresh head (tau ~ 1: goal adaptive >= 0.95x greedy) and the committed head heads/smollm2-135m-dflash2.
+``--batch8``: batched AR vs the fast loop (fixed and adaptive) on 8 prompts with the committed head
+(goal >= 1.0x). Also the identity rate: the share of generated tokens equal to plain greedy's (1.0 in
+fp32; bf16 may flip near-ties, every token still being the target's argmax on its own kernel path).
+Writes benchmarks/results/adaptive_<dtype>.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, save, table  # noqa: E402
+
+from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
+from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
+from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
+from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
+
+GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
+
+
+def timed(fn):
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
+
+
+def identity(a: torch.Tensor, b: torch.Tensor) -> float:
+    n = min(a.shape[-1], b.shape[-1])
+    return float((a[..., :n] == b[..., :n]).float().mean())
+
+
+def batch1(target, heads, prompts, n, repeats):
+    rows = []
+    for head_name, head in heads.items():
+        runs = {m: [] for m in ("greedy", "fixed", "adaptive", "hf_adaptive")}
+        same, taus, histogram = [], [], None
+        for i, ids in enumerate(prompts):
+            calls = {
+                "greedy": lambda: target.generate(ids, max_new_tokens=n, **GREEDY),
+                "fixed": lambda: speculative_generate(target, head, ids, max_new_tokens=n, adaptive=False),
+                "adaptive": lambda: speculative_generate(target, head, ids, max_new_tokens=n),
+                "hf_adaptive": lambda: target.generate(ids, assistant_model=head, max_new_tokens=n, **GREEDY),
+            }
+            if i == 0:
+                for fn in calls.values():  # warm-up, once per head
+                    fn()
+            for _ in range(repeats):
+                for method, fn in calls.items():
+                    out, seconds = timed(fn)
+                    runs[method].append(seconds)
+                    if method == "greedy":
+                        reference = out[0, ids.shape[1]:]
+                    elif method == "adaptive":
+                        same.append(identity(out.sequences[0, ids.shape[1]:], reference))
+                        taus.append(out.stats.acceptance_length)
+                        h = out.stats.verify_length_histogram
+                        histogram = h if histogram is None else [a + b for a, b in zip(histogram, h)]
+        total = {m: sum(v) for m, v in runs.items()}
+        per_prompt = [runs["greedy"][i] / runs["adaptive"][i] for i in range(len(runs["greedy"]))]
+        rows.append({"head": head_name, "greedy_tok_s": len(runs["greedy"]) * n / total["greedy"],
+                     "fixed_x": total["greedy"] / total["fixed"], "adaptive_x": total["greedy"] / total["adaptive"],
+                     "hf_adaptive_x": total["greedy"] / total["hf_adaptive"],
+                     "adaptive_worst_prompt_x": min(per_prompt), "adaptive_tau": statistics.mean(taus),
+                     "identity_rate": statistics.mean(same), "verify_length_histogram": histogram})
+        print(table(rows[-1:], [c for c in rows[-1] if c != "verify_length_histogram"]), flush=True)
+    return rows
+
+
+def batch8(target, head, tokenizer, prompts, n, repeats):
+    ids, mask = left_pad(prompts, tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id
+    calls = {
+        "ar": lambda: target.generate(ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad, **GREEDY),
+        "fixed": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n, adaptive=False,
+                                              pad_token_id=pad),
+        "adaptive": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n,
+                                                 pad_token_id=pad),
+    }
+    for fn in calls.values():
+        fn()
+    seconds = {m: [] for m in calls}
+    for _ in range(repeats):
+        for method, fn in calls.items():
+            seconds[method].append(timed(fn)[1])
+    tokens = ids.shape[0] * n  # upper bound for all (no EOS handling differences in the count)
+    result = {m: tokens / statistics.median(s) for m, s in seconds.items()}
+    adaptive = speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad)
+    return {"ar_tok_s": result["ar"], "fixed_tok_s": result["fixed"], "adaptive_tok_s": result["adaptive"],
+            "adaptive_over_ar": result["adaptive"] / result["ar"], "fixed_over_ar": result["fixed"] / result["ar"],
+            "verify_length_histogram": adaptive.stats.verify_length_histogram}
+
+
+def chart(rows, b8, path: Path, dtype: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, values = [], []
+    for row in rows:
+        for method in ("fixed_x", "adaptive_x", "hf_adaptive_x"):
+            labels.append(f"{row['head']}\n{method[:-2]}")
+            values.append(row[method])
+    if b8:
+        labels += ["batch 8\nfixed", "batch 8\nadaptive"]
+        values += [b8["fixed_over_ar"], b8["adaptive_over_ar"]]
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.9), 3.6))
+    ax.bar(range(len(values)), values, color=["#888" if "fixed" in lab else "#2a7" for lab in labels])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhline(0.95, color="r", lw=0.6, ls="--")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylabel("speed / plain greedy (same dtype)")
+    ax.set_title(f"SmolLM2-135M {dtype}, CPU shared with a training run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--batch8", action="store_true")
+    parser.add_argument("--skip-batch1", action="store_true")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    target, tokenizer = load_target()
+    target.to(dtype)
+    committed = load_head(default_head("smollm2-135m-dflash2"), target).to(dtype).bind_target(target)
+    fresh = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=128,
+                                         target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
+    fresh.eval().bind_target(target)
+    heads = {"fresh": fresh, "committed": committed}
+    texts = load_humaneval_prompts()[:8]
+    mixed = (load_humaneval_prompts()[: (args.prompts + 1) // 2] + load_mtbench_prompts()[: args.prompts // 2])
+    prompts = [encode_prompt(tokenizer, p, "cpu") for p in mixed]
+    results = {"command": "python benchmarks/adaptive.py " + " ".join(sys.argv[1:]), "dtype": args.dtype,
+               "note": "2 CPU cores shared with a training run: ratios are side by side, absolute tok/s are noisy"}
+    with torch.no_grad():
+        for name, head in heads.items():
+            results[f"cost_model_{name}"] = load_or_measure_cost_model(target, head, 1).as_dict()
+            table_text = load_or_measure_cost_model(target, head, 1).table()
+            print(f"cost model, {name} head, batch 1:\n{table_text}\n", flush=True)
+        rows = [] if args.skip_batch1 else batch1(target, heads, prompts, args.new_tokens, args.repeats)
+        b8 = None
+        if args.batch8:
+            b8 = batch8(target, committed, tokenizer, [encode_prompt(tokenizer, p, "cpu") for p in texts],
+                        args.new_tokens, args.repeats)
+            print("batch 8:", b8, flush=True)
+    results["batch1"], results["batch8"] = rows, b8
+    columns = ["head", "greedy_tok_s", "fixed_x", "adaptive_x", "hf_adaptive_x", "adaptive_worst_prompt_x",
+               "adaptive_tau", "identity_rate"]
+    text = f"SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(prompts)} prompts x {args.new_tokens} tokens\n\n"
+    text += table(rows, columns)
+    if b8:
+        columns8 = ["ar_tok_s", "fixed_tok_s", "adaptive_tok_s", "adaptive_over_ar"]
+        text += "\n\nbatch 8 (tok/s):\n\n" + table([b8], columns8)
+    print("\n" + text)
+    stem = f"adaptive_{args.dtype}" + ("_b8" if args.skip_batch1 else "")
+    (RESULTS / f"{stem}.md").write_text(text + "\n")
+    chart(rows, b8, RESULTS / f"{stem}.png", args.dtype)
+    print(f"written {save(stem, results)}")
+
+
+if __name__ == "__main__":
+    main()
