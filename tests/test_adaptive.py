@@ -138,7 +138,8 @@ def test_adaptive_policy_prefers_plain_steps_for_a_useless_draft_and_backs_off()
 
 def test_adaptive_policy_choice_follows_cost_and_confidence():
     cost = CostModel([1.0, 1.0, 1.0, 1.0, 4.0], 0.1)
-    policy = AdaptiveVerifyPolicy(cost, prior_strength=1e-6, pooled_prior=1e-6).start(5)
+    policy = AdaptiveVerifyPolicy(cost, prior_strength=1e-6, pooled_prior=1e-6, probe_overhead=1.0, prior_ratio=1.0)
+    policy.start(5)
     sure = torch.ones(2, 4)
     assert int(policy.choose(sure)) == 3  # k = 4 would need 5 tokens, which cost 4x
     assert int(policy.choose(torch.full((2, 4), 0.01))) == 0
@@ -150,6 +151,10 @@ def test_adaptive_policy_choice_follows_cost_and_confidence():
     assert [policy.wants_draft() for _ in range(2)] == [False, True]
     policy.chosen(0)
     assert [policy.wants_draft() for _ in range(3)] == [False, False, True]
+    # a draft costing 10 % of a step, failed probes held near 3 %: at least 4 plain steps before the next one
+    careful = AdaptiveVerifyPolicy(cost).start(5)
+    careful.chosen(0)
+    assert [careful.wants_draft() for _ in range(5)] == [False] * 4 + [True]
     with pytest.raises(ValueError, match="block_size=6"):
         AdaptiveVerifyPolicy(cost).start(6)
     with pytest.raises(ValueError, match="non-empty list"):

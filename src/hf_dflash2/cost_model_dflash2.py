@@ -9,11 +9,13 @@ forward (``k = 0`` is exactly a plain AR step, which still hands the drafter its
 and compares the best ``k >= 1`` with a plain step, ``1 / verify(1)``. ``a_i`` is the drafter's own
 confidence at position ``i`` (``DraftOutput.confidence``) times a calibration ratio learnt during the
 call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled ratio ``g`` of all
-positions, which itself starts at 1 (trust the head) with ``c0`` pseudo-counts.
+positions, which itself starts at ``prior_ratio`` = 0.5 (heads, fresh ones above all, tend to be
+over-confident) with ``c0`` pseudo-counts.
 
 When a drafted round chooses ``k = 0`` the draft did not pay, so the next rounds skip drafting (plain AR
 steps through the same verify path; the drafter's context keeps growing, so a later draft is exact) and
-probe again after 1, 2, 4, ... up to ``max_skip`` rounds; a probe that verifies drafts resets the backoff.
+probe again after m, 2m, 4m, ... up to ``max_skip`` rounds, where ``m`` keeps the cost of failed probes near
+3 % (``probe_overhead``); a probe that verifies drafts resets the backoff.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
@@ -306,11 +308,16 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     """Maximise expected committed tokens per second (see the module docstring).
 
     cost: the ``CostModel`` for this batch size and block; prior_strength ``c`` (per position) and
-    pooled_prior ``c0``: pseudo-counts of the calibration; max_skip: longest run of AR steps between probes.
+    pooled_prior ``c0``: pseudo-counts of the calibration; max_skip: longest run of AR steps between probes;
+    probe_overhead: a failed probe is followed by at least draft / (probe_overhead * step) plain steps, so
+    that probing a draft that does not pay costs about that share of the time.
     """
 
-    def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32):
+    def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
+                 probe_overhead: float = 0.03, prior_ratio: float = 0.5):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
+        self.prior_ratio = prior_ratio
+        self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
 
     def start(self, block_size: int) -> "AdaptiveVerifyPolicy":
         if block_size > self.cost.block_size:
@@ -335,7 +342,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             verify = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._round_cost = verify + self.cost.draft_seconds  # [S + 1]: verify k + 1 tokens after a draft
             self._step_cost = self.cost.verify(1)
-        pooled = (self.observed.sum() + self.pooled_prior) / (self.predicted.sum() + self.pooled_prior)
+        pooled = (self.observed.sum() + self.pooled_prior * self.prior_ratio) / (self.predicted.sum() + self.pooled_prior)
         return (self.observed + self.prior_strength * pooled) / (self.predicted + self.prior_strength)
 
     def choose(self, confidence):
@@ -350,7 +357,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
     def chosen(self, k: int) -> None:
         if k == 0:  # drafting did not pay: back off, probe again later
-            self.skip = min(max(1, 2 * self.skip), self.max_skip)
+            self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip
         else:
             self.skip = 0
