@@ -167,6 +167,8 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     ids = torch.randint(0, vocab, (batch_size, context_length + block_size), generator=generator).to(device)
     positions = torch.arange(context_length + block_size, device=device).expand(batch_size, -1)
     cache = DynamicCache(config=target.config)
+    if hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()  # sliding-window layers past their window can then be cropped
     out = target(input_ids=ids[:, :context_length], position_ids=positions[:, :context_length], cache=cache,
                  use_cache=True, output_hidden_states=capture, logits_to_keep=1)
     context = DraftContext(drafter, batch_size, context_length + block_size, device)
