@@ -344,7 +344,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             verify = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._round_cost = verify + self.cost.draft_seconds  # [S + 1]: verify k + 1 tokens after a draft
             self._step_cost = self.cost.verify(1)
-        pooled = (self.observed.sum() + self.pooled_prior * self.prior_ratio) / (self.predicted.sum() + self.pooled_prior)
+        pooled_observed = self.observed.sum() + self.pooled_prior * self.prior_ratio
+        pooled = pooled_observed / (self.predicted.sum() + self.pooled_prior)
         return (self.observed + self.prior_strength * pooled) / (self.predicted + self.prior_strength)
 
     def choose(self, confidence):
