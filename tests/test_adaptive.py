@@ -190,7 +190,7 @@ def test_sampling_law_with_adaptive_and_forced_lengths(dflash2):
     drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5]])
     exact = _pair_distribution(target, prompt, 1.3, 8, 0.95)
-    cost = CostModel([1.0, 1.0, 1.0, 1.0], 0.05)  # cheap drafts: the adaptive policy verifies drafts
+    cost = CostModel([1.0, 1.0, 1.0, 1.0], 1e-6)  # free drafts, flat verify: any confidence pays for a draft
     counts, histogram = _pair_counts(target, drafter, prompt, 20_000, 5_000, 1234, cost_model=cost)
     assert histogram[1:].sum() > 0  # drafts were verified
     assert _tv(counts, exact) < 0.05
