@@ -185,8 +185,18 @@ def test_precision_probe_cache_is_used_and_a_bad_file_is_ignored(monkeypatch, tm
     assert json.loads((tmp_path / "precision.json").read_text())  # rewritten whole
 
 
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state: the other tests' fp32 trainers and this bf16 one must not meet."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.parametrize("label_source", ["argmax", "kl"])
-def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source):
+def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source, fresh_accelerator_state):
     from .test_training import toy_sequences
 
     target = tiny_target(vocab_size=64)
