@@ -11,6 +11,7 @@ one on equal terms before it replaces it.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -35,8 +36,8 @@ def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int)
             result = speculative_generate(
                 target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False
             )
-            by_set[name] = result.stats if name not in by_set else by_set[name].merge(result.stats)
-            by_set["all"] = result.stats if "all" not in by_set else by_set["all"].merge(result.stats)
+            for key in (name, "all"):  # fresh copies: merge() accumulates into its receiver
+                by_set[key] = copy.deepcopy(result.stats) if key not in by_set else by_set[key].merge(result.stats)
         results[head_dir] = {
             name: {
                 "tau": round(s.acceptance_length, 3),
