@@ -52,7 +52,9 @@ train-smollm2: store-smollm2
 	$(VENV)/bin/hf-dflash2 train $(FLAGSHIP_ARGS) --output runs/flagship
 	$(PY) benchmarks/recipe_arms.py --store $(STORE) --sequences 1000 --steps 60 --parallel 1
 	$(PY) benchmarks/tau_curve.py runs/flagship
-	$(PY) -m hf_dflash2.training.export runs/flagship heads/smollm2-135m-dflash2 \
+	# A run's head replaces heads/smollm2-135m-dflash2 only when it beats it on held-out tau:
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/flagship/head --prompts 8 --tokens 64
+	$(PY) -m hf_dflash2.training.export runs/flagship runs/flagship/export \
 		--data-description "ShareGPT first exchanges run through SmolLM2-135M-Instruct (feature store, KL to its top-32)"
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
