@@ -11,11 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
+
+from .cost_model_dflash2 import _device_name, cost_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +26,7 @@ BF16_MIN_SPEEDUP = 1.2
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("HF_DFLASH2_CACHE") or Path.home() / ".cache" / "hf_dflash2"
-    return Path(root) / "precision.json"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cost_cache_dir() / "precision.json"
 
 
 def _cpu_has_bf16_flags() -> bool | None:
@@ -71,7 +61,7 @@ def cpu_bf16_is_fast(use_cache: bool = True) -> bool:
     """Whether bf16 matmuls beat fp32 clearly on this CPU (cached per CPU model and torch version)."""
     if _cpu_has_bf16_flags() is False:
         return False  # AVX2 only: bf16 is emulated; timing it would itself take seconds
-    key = f"{_cpu_model()} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+    key = f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
     path = _cache_path()
     cache = {}
     if use_cache and path.exists():
