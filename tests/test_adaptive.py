@@ -142,7 +142,15 @@ def test_adaptive_policy_choice_follows_cost_and_confidence():
     policy.start(5)
     sure = torch.ones(2, 4)
     assert int(policy.choose(sure)) == 3  # k = 4 would need 5 tokens, which cost 4x
-    assert int(policy.choose(torch.full((2, 4), 0.01))) == 0
+    policy.chosen(3)  # the draft paid: no back-off
+    assert policy.wants_draft()
+    # Once drafted, checking 3 drafts costs what a plain step does here: verify (and calibrate on) them,
+    # but a draft this unsure did not pay for its own 0.1 step, so the next round skips drafting.
+    assert int(policy.choose(torch.full((2, 4), 0.01))) == 3
+    policy.chosen(3)
+    assert [policy.wants_draft() for _ in range(2)] == [False, True]
+    policy.choose(sure)
+    policy.chosen(3)  # a probe that pays resets the back-off
     assert int(policy.choose(torch.tensor([[0.9, 0.9, 0.0, 0.9]]))) == 2
     # observed acceptance far below the claimed confidence shrinks what the policy expects
     policy.observe(sure, 3, torch.zeros(2, dtype=torch.long))

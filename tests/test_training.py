@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 
+from hf_dflash2.modeling_dflash2 import DFlash2DraftModel
 from hf_dflash2.training.regenerate import RegenerationConfig, read_regenerated, regenerate
-from hf_dflash2.training.trainer import Trainer, TrainingConfig, sample_anchors, sequence_blocks
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, feature_scale, sample_anchors, sequence_blocks
 
 from .conftest import REPO, tiny_drafter, tiny_target
 
@@ -84,6 +85,34 @@ def test_resume_gives_identical_weights(tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
+
+
+def test_standardized_features_fold_into_the_saved_head(tmp_path):
+    trainer = make_trainer(tmp_path, steps=3)
+    trainer.train()
+    drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+    raw = trainer.sequence_item(0)["features"]
+    assert trainer.feature_scale is not None and trainer.feature_scale.shape == (raw.shape[-1],)
+    training_space = drafter.project_context(raw / trainer.feature_scale)
+    head = DFlash2DraftModel.from_pretrained(trainer.save_head(tmp_path / "head"))
+    assert torch.allclose(head.project_context(raw), training_space, atol=1e-5)
+    with trainer.exported_weights() as exported:
+        assert torch.allclose(exported.project_context(raw), training_space, atol=1e-5)
+    assert torch.equal(drafter.project_context(raw / trainer.feature_scale), training_space)  # restored
+    state = torch.load(trainer.checkpoint_path, weights_only=False)
+    assert torch.allclose(state["drafter"]["fc.weight"], head.fc.weight)  # what export.py reads is folded
+    assert not torch.allclose(state["drafter"]["fc.weight"], drafter.fc.weight)
+
+
+def test_feature_scale_skips_the_sink_and_evens_out_a_massive_channel():
+    features = torch.randn(50, 8)
+    features[:, 3] *= 500.0
+    features[0] = 1e4  # the attention sink
+    scale = feature_scale([features])
+    assert scale[3] > 100 * scale[0] and scale.max() < 1e3
+    assert (features[1:] / scale).pow(2).mean(0).allclose(torch.ones(8), atol=1e-4)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        feature_scale([features[:1]])
 
 
 RUN_SCRIPT = """

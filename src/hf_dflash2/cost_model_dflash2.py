@@ -2,20 +2,24 @@
 
 A round drafts ``S = B - 1`` tokens, then verifies the anchor and the first ``k`` drafts in one target
 forward (``k = 0`` is exactly a plain AR step, which still hands the drafter its context features).
-``AdaptiveVerifyPolicy`` picks ``k`` to maximise expected committed tokens per second::
+``AdaptiveVerifyPolicy`` picks ``k`` to maximise expected committed tokens per second. Once a round has
+drafted, the draft's time is spent whatever ``k`` is, so ``k`` trades verify time only::
 
-    E[committed | k] = 1 + sum_{j <= k} prod_{i <= j} a_i,   rate(k) = E[committed | k] / (verify(k + 1) + draft)
+    E[committed | k] = 1 + sum_{j <= k} prod_{i <= j} a_i,   gain(k) = E[committed | k] - verify(k + 1) / verify(1)
 
-and compares the best ``k >= 1`` with a plain step, ``1 / verify(1)``. ``a_i`` is the drafter's own
-confidence at position ``i`` (``DraftOutput.confidence``) times a calibration ratio learnt during the
-call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled ratio ``g`` of all
-positions, which itself starts at ``prior_ratio`` = 0.5 (heads, fresh ones above all, tend to be
-over-confident) with ``c0`` pseudo-counts.
+(tokens beyond what plain steps would commit in the same time; ``gain(0) = 0``, a plain step). ``a_i`` is
+the drafter's own confidence at position ``i`` (``DraftOutput.confidence``) times a calibration ratio
+learnt during the call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled
+ratio ``g`` of all positions, which itself starts at ``prior_ratio`` = 0.5 (heads, fresh ones above all,
+tend to be over-confident) with ``c0`` pseudo-counts. Because a verify of 2 tokens costs about one of 1
+on a CPU, a weak draft is still checked once made, and each check feeds the calibration: a head whose
+confidence is calibrated too low is not locked out.
 
-When a drafted round chooses ``k = 0`` the draft did not pay, so the next rounds skip drafting (plain AR
-steps through the same verify path; the drafter's context keeps growing, so a later draft is exact) and
-probe again after m, 2m, 4m, ... up to ``max_skip`` rounds, where ``m`` keeps the cost of failed probes near
-3 % (``probe_overhead``); a probe that verifies drafts resets the backoff.
+Drafting pays when the best gain exceeds the draft's own cost in plain steps (``draft / verify(1)``).
+When it does not, the next rounds skip drafting (plain AR steps through the same verify path; the
+drafter's context keeps growing, so a later draft is exact) and probe again after m, 2m, 4m, ... up to
+``max_skip`` rounds, where ``m`` keeps the cost of failed probes near 3 % (``probe_overhead``); a probe
+that pays resets the backoff.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
@@ -327,7 +331,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
                 f"cost model covers blocks up to {self.cost.block_size}, the call uses block_size={block_size}"
             )
         self.observed = self.predicted = None  # [S] device accumulators, allocated on first use
-        self.skip, self.to_skip = 0, 0
+        self.skip, self.to_skip, self._paid = 0, 0, False
         return super().start(block_size)
 
     def wants_draft(self) -> bool:
@@ -341,8 +345,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         if self.observed is None:
             self.observed = torch.zeros(s, dtype=torch.float32, device=like.device)
             self.predicted = torch.zeros(s, dtype=torch.float32, device=like.device)
-            verify = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
-            self._round_cost = verify + self.cost.draft_seconds  # [S + 1]: verify k + 1 tokens after a draft
+            # [S + 1]: verifying the anchor and k drafts
+            self._verify_cost = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._step_cost = self.cost.verify(1)
         pooled_observed = self.observed.sum() + self.pooled_prior * self.prior_ratio
         pooled = pooled_observed / (self.predicted.sum() + self.pooled_prior)
@@ -354,12 +358,19 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         a = (confidence.float() * self._ratio(confidence)).clamp(0.0, 1.0)  # [N, S]
         reach = a.cumprod(dim=-1)
         expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
-        rate = expected / self._round_cost  # [S + 1], summed over rows
-        rate[0] = confidence.shape[0] / self._step_cost  # a plain step pays no draft
-        return rate.argmax()
+        # The draft is paid for by now, so k trades only verify time: tokens gained over what plain steps
+        # would commit in the same time (rows / step each). k = 0 gains exactly nothing.
+        rows = confidence.shape[0]
+        gain = expected - rows * self._verify_cost / self._step_cost  # [S + 1]
+        best = gain.argmax()
+        # Whether drafting paid at all decides the back-off (``chosen``), not whether k > 0: with a cheap
+        # verify even a weak draft is worth checking once drafted, and every verified draft calibrates.
+        self._paid = gain[best] > rows * self.cost.draft_seconds / self._step_cost
+        return best
 
     def chosen(self, k: int) -> None:
-        if k == 0:  # drafting did not pay: back off, probe again later
+        paid = k > 0 and bool(self._paid)  # computed before the loop's host read: no extra device wait
+        if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip
         else:

@@ -223,6 +223,8 @@ def cmd_train(args) -> int:
         eval_prompts=args.eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every,
+        standardize_features=not args.raw_features,
+        warmup_steps=args.warmup_steps,
     )
     config.validate()
     store = None
@@ -313,6 +315,7 @@ def _register_train(sub) -> None:
     p.add_argument("--max-length", type=int, default=d["max_length"])
     p.add_argument("--max-sequences", type=int, default=None)
     p.add_argument("--lr", type=float, default=d["learning_rate"])
+    p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(
@@ -334,6 +337,11 @@ def _register_train(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=d["eval_prompts"])
     p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"])
     p.add_argument("--log-every", type=int, default=d["log_every"])
+    p.add_argument(
+        "--raw-features",
+        action="store_true",
+        help="ablation: train fc on the raw tapped features instead of per-channel standardized ones",
+    )
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--resume", action="store_true")
     p.set_defaults(func=cmd_train)

@@ -20,6 +20,7 @@ import os
 import random
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class TrainingConfig:
     learning_rate: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
+    warmup_steps: int | None = None  # overrides warmup_ratio; also the length of the logit-scale ramp
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
@@ -57,6 +59,7 @@ class TrainingConfig:
     eval_max_new_tokens: int = 64
     log_every: int = 10
     cache_features: bool = True  # keep each sequence's tapped features after its first target forward
+    standardize_features: bool = True  # train ``fc`` on per-channel standardized features (see feature_scale)
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -70,6 +73,8 @@ class TrainingConfig:
         for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup_steps is not None and self.warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be >= 1 (or None for warmup_ratio), got {self.warmup_steps}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
@@ -143,6 +148,33 @@ def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int,
     return labels, predecessors, soft
 
 
+@torch.no_grad()
+def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
+    """Per-channel RMS [taps * H] of tapped target features, skipping each sequence's first position(s).
+
+    Small LMs carry "massive activations": on SmolLM2-135M one channel of the deep layers averages ~700
+    where the median channel is ~5, and the first token (the attention sink) reaches 25,000. A freshly
+    initialised ``fc`` then projects every context position onto nearly the same direction, so the
+    drafter cannot tell its context slots apart until Adam has shrunk those columns, hundreds of steps.
+    The trainer therefore feeds ``fc`` features divided by this scale and folds the scale back into
+    ``fc.weight`` for every head it saves or evaluates: the same function, the published format, and
+    Adam's steps balanced across channels. Returns ones for channels that are all zero.
+    """
+    total, count = None, 0
+    for features in feature_batches:  # [T, taps * H] each
+        body = features[sink_positions:].float()
+        if body.shape[0] == 0:
+            continue
+        squares = body.pow(2).sum(0)
+        total = squares if total is None else total + squares
+        count += body.shape[0]
+    if total is None:
+        raise ValueError("feature_scale needs at least one sequence longer than its sink positions")
+    rms = (total / count).sqrt()
+    floor = rms[rms > 0].median() * 1e-3 if (rms > 0).any() else torch.tensor(1.0)
+    return torch.where(rms > 0, rms.clamp_min(floor), torch.ones_like(rms))
+
+
 class Trainer:
     def __init__(
         self,
@@ -187,7 +219,7 @@ class Trainer:
             betas=(0.9, 0.95),
             fused=True,
         )
-        warmup = max(1, int(config.warmup_ratio * config.steps))
+        warmup = config.warmup_steps or max(1, int(config.warmup_ratio * config.steps))
         self.warmup_steps = warmup
         self.output_factor = calibrated_output_factor(drafter, self.target)
 
@@ -205,6 +237,11 @@ class Trainer:
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
         self._features: dict[int, torch.Tensor] = {}
+        self.feature_scale = None  # [taps * H] while fc trains on standardized features (see feature_scale)
+        if config.standardize_features:
+            sample = range(min(len(sequences), 64))
+            scale = feature_scale(self.sequence_item(i)["features"][0] for i in sample)
+            self.feature_scale = scale.to(self.accelerator.device)
 
     # ----------------------------------------------------------------- data order
     def sequences_for_step(self, step: int) -> list[int]:
@@ -233,6 +270,8 @@ class Trainer:
                 item, anchors, cfg.block_size, self.config.label_source
             )
         features = item["features"].to(device)
+        if self.feature_scale is not None:
+            features = features.float() / self.feature_scale
         num_tokens = features.shape[1]
         positions = torch.arange(num_tokens, device=device)[None]
         anchors = anchors.to(device)[None]
@@ -359,7 +398,9 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state = {
             "step": self.step,
-            "drafter": self.accelerator.unwrap_model(self.drafter).state_dict(),
+            "drafter": self.exported_state_dict(),  # what export.py and the curve scripts read
+            "feature_scale": self.feature_scale,
+            "fc_weight_standardized": self.accelerator.unwrap_model(self.drafter).fc.weight.detach().clone(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "torch_rng": torch.get_rng_state(),
@@ -380,7 +421,12 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
-        self.accelerator.unwrap_model(self.drafter).load_state_dict(state["drafter"])
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        drafter.load_state_dict(state["drafter"])
+        self.feature_scale = state.get("feature_scale")
+        if self.feature_scale is not None:  # the exact training-space weight, not an unfolded round trip
+            self.feature_scale = self.feature_scale.to(self.accelerator.device)
+            drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -390,28 +436,50 @@ class Trainer:
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
+    @contextmanager
+    def exported_weights(self):
+        """The drafter as it is saved: the feature scale folded into ``fc`` (it reads raw target features)."""
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        if self.feature_scale is None:
+            yield drafter
+            return
+        weight = drafter.fc.weight
+        standardized = weight.detach().clone()
+        with torch.no_grad():
+            weight.div_(self.feature_scale.to(weight.dtype)[None])
+        try:
+            yield drafter
+        finally:
+            with torch.no_grad():
+                weight.copy_(standardized)
+
+    def exported_state_dict(self) -> dict:
+        with self.exported_weights() as drafter:
+            return {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()}
+
     def save_head(self, folder: str | Path) -> Path:
         """A Hub-ready head folder (safetensors, config, remote code), written next to and renamed in."""
         from ..hub import save_head
 
-        drafter = self.accelerator.unwrap_model(self.drafter)
-        drafter.set_draft_vocab(self.vocab_subset)
-        return save_head(drafter, folder)
+        with self.exported_weights() as drafter:
+            drafter.set_draft_vocab(self.vocab_subset)
+            return save_head(drafter, folder)
 
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
         from ..generation import speculative_generate
 
-        drafter = self.accelerator.unwrap_model(self.drafter).eval()
-        drafter.set_draft_vocab(self.vocab_subset)  # draft over what was trained, as the saved head will
         stats = None
-        for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
-            ids = torch.tensor([prompt_ids], device=self.accelerator.device)
-            result = speculative_generate(
-                self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False
-            )  # tau of the head itself: every round verifies the block
-            stats = result.stats if stats is None else stats.merge(result.stats)
+        with self.exported_weights() as drafter:
+            drafter.eval()
+            drafter.set_draft_vocab(self.vocab_subset)  # draft over what was trained, as the saved head will
+            for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
+                ids = torch.tensor([prompt_ids], device=self.accelerator.device)
+                result = speculative_generate(
+                    self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False
+                )  # tau of the head itself: every round verifies the block
+                stats = result.stats if stats is None else stats.merge(result.stats)
         if stats is None:
             return {}
         return {"eval_tau": stats.acceptance_length, "eval_per_position": stats.per_position_acceptance[:8]}
