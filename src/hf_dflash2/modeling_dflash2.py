@@ -376,7 +376,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
     @classmethod
     def for_target(cls, target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True,
-                   seed: int | None = 0, **config_kwargs) -> "DFlash2DraftModel":
+                   seed: int | None = 0, output_scale: float = 1.0, **config_kwargs) -> "DFlash2DraftModel":
         """A fresh head for ``target`` (any Hugging Face causal LM), in its dtype and on its device, unbound.
 
         The config comes from ``DFlash2Config.for_target(target.config, ...)`` (``config_kwargs`` go there).
@@ -384,8 +384,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         conventions (Gemma's ``1 + w``) come out right. Damping that scale in the weights would make the
         first predictions uniform but leave a head that needs ~1,000 Adam steps to grow its norm back (seen
         on SmolLM2: 0.8 % of the scale, loss flat for 40 steps); the trainer instead ramps a logit scale
-        from ``calibrated_output_factor`` to 1 over its warmup. Same seed -> same weights.
+        from ``calibrated_output_factor`` to 1 over its first steps. ``output_scale`` multiplies that start
+        (the trainer's ``--output-scale``: a head whose logits can span only a fraction of the target's
+        trains more stably). Same seed -> same weights.
         """
+        if not 0 < output_scale <= 1:
+            raise ValueError(f"output_scale must be in (0, 1], got {output_scale}")
         config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size,
                                           dflash2=dflash2, **config_kwargs)
         if seed is not None:
@@ -393,7 +397,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         embed = target.get_input_embeddings().weight
         drafter = cls(config).to(device=embed.device, dtype=embed.dtype)
         with torch.no_grad():
-            drafter.norm.weight.copy_(target_output_scale(target, config.hidden_size))
+            drafter.norm.weight.copy_(target_output_scale(target, config.hidden_size) * output_scale)
         return drafter
 
     # ------------------------------------------------------------------ binding to a target
@@ -740,13 +744,13 @@ def target_output_scale(target, hidden_size: int) -> torch.Tensor:
 @torch.no_grad()
 def calibrated_output_factor(drafter: "DFlash2DraftModel", target) -> float:
     """A factor <= 1 for a fresh head's logits (see ``calibrated_output_scale``); the trainer's start."""
-    scale = target_output_scale(target, drafter.config.hidden_size)
-    return float((calibrated_output_scale(drafter, target) / scale.clamp_min(1e-6)).median())
+    scale = drafter.norm.weight.detach().float().cpu()
+    return float((calibrated_output_scale(drafter, target, scale) / scale.clamp_min(1e-6)).median())
 
 
 @torch.no_grad()
-def calibrated_output_scale(drafter: "DFlash2DraftModel", target) -> torch.Tensor:
-    """The target's output-norm scale, [H], times a factor <= 1.
+def calibrated_output_scale(drafter: "DFlash2DraftModel", target, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's output-norm scale (or ``scale``), [H], times a factor <= 1.
 
     Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
     the residual, so its output points along that embedding; with a tied LM head the mask token then gets
@@ -754,7 +758,8 @@ def calibrated_output_scale(drafter: "DFlash2DraftModel", target) -> torch.Tenso
     Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
     which puts the first loss at about the uniform guess; training grows the scale back.
     """
-    scale = target_output_scale(target, drafter.config.hidden_size)
+    if scale is None:
+        scale = target_output_scale(target, drafter.config.hidden_size)
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale

@@ -225,6 +225,7 @@ def cmd_train(args) -> int:
         log_every=args.log_every,
         standardize_features=not args.raw_features,
         warmup_steps=args.warmup_steps,
+        logit_ramp_steps=args.logit_ramp_steps,
     )
     config.validate()
     store = None
@@ -289,6 +290,7 @@ def _new_drafter(target, args, layer_ids):
         selector_top_k=args.selector_top_k,
         target_layer_ids=layer_ids,
         mask_token_id=args.mask_token_id,
+        output_scale=args.output_scale,
     )
 
 
@@ -316,6 +318,10 @@ def _register_train(sub) -> None:
     p.add_argument("--max-sequences", type=int, default=None)
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
+    p.add_argument("--output-scale", type=float, default=1.0,
+                   help="a fresh head's output norm starts at this fraction of the target's final-norm scale")
+    p.add_argument("--logit-ramp-steps", type=int, default=d["logit_ramp_steps"],
+                   help="steps over which a fresh head's logit scale grows to 1 (capped at the warmup)")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(

@@ -45,7 +45,8 @@ class TrainingConfig:
     learning_rate: float = 6e-4
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
-    warmup_steps: int | None = None  # overrides warmup_ratio; also the length of the logit-scale ramp
+    warmup_steps: int | None = None  # overrides warmup_ratio
+    logit_ramp_steps: int = 20  # a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
@@ -73,6 +74,8 @@ class TrainingConfig:
         for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.logit_ramp_steps < 0:
+            raise ValueError(f"logit_ramp_steps must be >= 0 (0: no ramp), got {self.logit_ramp_steps}")
         if self.warmup_steps is not None and self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (or None for warmup_ratio), got {self.warmup_steps}")
         if not self.learning_rate > 0:
@@ -313,15 +316,18 @@ class Trainer:
             )
 
     def logit_scale(self, step: int) -> float:
-        """Geometric ramp from ``output_factor`` to 1 over the warmup steps.
+        """Geometric ramp from ``output_factor`` to 1 over the first ``logit_ramp_steps`` steps.
 
         A fresh head's drafted positions all read the mask token's embedding, so with a tied LM head the
         mask token's own logit towers over the rest and the first loss is many times a uniform guess's
         (14x on a trained Gemma3). Scaling the logits down at the start, instead of the output norm's
-        weights, keeps the first loss near uniform without leaving Adam to regrow a tiny norm."""
-        if step >= self.warmup_steps or self.output_factor >= 1.0:
+        weights, keeps the first loss near uniform without leaving Adam to regrow a tiny norm. The ramp
+        is short on purpose: every step of it sharpens what the head has learnt, so a ramp as long as the
+        warmup (SmolLM2: 0.0076 -> 1, 131x) kept the loss rising and spiking until it ended."""
+        ramp = min(self.config.logit_ramp_steps, self.warmup_steps)
+        if step >= ramp or self.output_factor >= 1.0:  # ramp == 0: no ramp
             return 1.0
-        return self.output_factor ** (1.0 - step / self.warmup_steps)
+        return self.output_factor ** (1.0 - step / ramp)
 
     def head_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The frozen LM head restricted to the training vocabulary, in the compute dtype (made once)."""
