@@ -24,16 +24,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# name -> train flags that differ from the base arm. The base: KL to the target's top-32, 2 layers, B = 16.
+# name -> train flags that differ from the base arm. The base (this round's recipe, see README "Training"):
+# KL to the target's top-32, 2 layers, B = 8, standardized features, output norm at 0.1 of the target's.
 ARMS = {
-    "base: kl, 2 layers, B=16": [],
+    "base: kl, 2 layers, B=8": [],
     "labels: data tokens": ["--label-source", "data"],
     "labels: target argmax": ["--label-source", "argmax"],
     "1 layer": ["--layers", "1"],
     "3 layers": ["--layers", "3"],
-    "block size 8": ["--block-size", "8"],
+    "block size 16": ["--block-size", "16"],
     "lr 3e-3": ["--lr", "3e-3"],
-    "64 anchors x 2 sequences": ["--anchors", "64", "--batch-size", "2"],
+    "128 anchors x 1 sequence": ["--anchors", "128", "--batch-size", "1"],
+    "raw features (no standardizing)": ["--raw-features"],
+    "full output scale + logit ramp": ["--output-scale", "1.0", "--logit-ramp-steps", "20"],
     "DFlash-1 (no conv, no selector)": ["--dflash1"],
 }
 BASE = [
@@ -42,17 +45,23 @@ BASE = [
     "--layers",
     "2",
     "--block-size",
-    "16",
+    "8",
     "--lr",
     "1e-3",
     "--anchors",
-    "32",
+    "64",
     "--batch-size",
-    "4",
+    "2",
     "--selector-rank",
     "128",
     "--mask-token-id",
     "0",
+    "--output-scale",
+    "0.1",
+    "--logit-ramp-steps",
+    "0",
+    "--warmup-steps",
+    "20",
 ]
 
 
@@ -72,9 +81,9 @@ def arm_command(args, name: str, flags: list[str]) -> list[str]:
             extra.append(flags[i])
             i += 1
     block = int(merged["--block-size"])
-    # Same block positions per step in every arm: B = 8 arms see proportionally more anchors.
-    if block != 16 and "--anchors" not in flags:
-        merged["--anchors"] = str(int(merged["--anchors"]) * 15 // (block - 1))
+    # Same block positions per step in every arm: a B = 16 arm sees proportionally fewer anchors.
+    if block != 8 and "--anchors" not in flags:
+        merged["--anchors"] = str(max(1, int(merged["--anchors"]) * 7 // (block - 1)))
     command = [
         sys.executable,
         "-m",
@@ -212,7 +221,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--eval-prompts", type=int, default=8)
     parser.add_argument("--eval-tokens", type=int, default=64)
-    parser.add_argument("--draft-vocab-size", type=int, default=16384)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--mixed-precision", default="auto")
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--arms", default=None, help="comma-separated arm slugs to run (default: all)")

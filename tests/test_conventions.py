@@ -317,6 +317,23 @@ def test_for_target_builds_a_fresh_head_like_the_config():
     drafter.bind_target(target)  # sized for the target: binds without complaint
 
 
+def test_output_scale_damps_a_fresh_heads_output_norm_and_the_logit_ramp_follows():
+    from hf_dflash2 import DFlash2DraftModel
+    from hf_dflash2.modeling_dflash2 import calibrated_output_factor, target_output_scale
+
+    target = trained_like_gemma3(vocab_size=64)
+    full = DFlash2DraftModel.for_target(target, block_size=4, mask_token_id=1, selector_rank=16, selector_top_k=4)
+    damped = DFlash2DraftModel.for_target(target, block_size=4, mask_token_id=1, selector_rank=16,
+                                          selector_top_k=4, output_scale=0.1)
+    assert torch.allclose(damped.norm.weight, 0.1 * target_output_scale(target, 64), atol=1e-6)
+    # The ramp starts from the head's own norm: a tenth of the scale needs a ten times milder damping.
+    assert calibrated_output_factor(damped, target) == pytest.approx(
+        min(1.0, 10 * calibrated_output_factor(full, target)), rel=1e-3)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match=f"output_scale must be in \\(0, 1\\], got {bad}"):
+            DFlash2DraftModel.for_target(target, block_size=4, mask_token_id=1, output_scale=bad)
+
+
 def test_gemma3_fresh_head_first_training_loss_within_the_uniform_bound(tmp_path):
     """A fresh head's first loss is about a uniform guess's (it was 14x on this target before the fix)."""
     import math
