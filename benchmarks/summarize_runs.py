@@ -70,7 +70,13 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=30, help="steps averaged, ending at the cut")
     parser.add_argument("--output", type=Path, default=None, help="writes OUTPUT.json and OUTPUT.md")
     args = parser.parse_args()
-    rows = [r for run in args.runs if (r := summarize(run, args.at_step, args.at_seconds, args.window))]
+    rows = []
+    for run in args.runs:
+        row = summarize(run, args.at_step, args.at_seconds, args.window)
+        if row is None:
+            print(f"{run}: its history does not reach the cut, left out")
+        else:
+            rows.append(row)
     cut = f"step {args.at_step}" if args.at_step is not None else f"{args.at_seconds:.0f} s of training"
     lines = [
         f"At {cut}; batch metrics averaged over the last {args.window} steps.",
@@ -81,7 +87,7 @@ def main() -> None:
     for r in rows:
         tau = "" if r["heldout_tau"] is None else f"{r['heldout_tau']:.3f} (step {r['heldout_tau_step']})"
         lines.append(
-            f"| {r['run']} | {r['step']} | {r['block_positions']:,} | {r['train_seconds']} | {r['unary_loss']} | "
+            f"| {r['run']} | {r['step']} | {r['block_positions'] or 0:,} | {r['train_seconds']} | {r['unary_loss']} | "
             f"{r['selector_loss']} | {r['top1_position1']} | {r['max_grad_norm']} | {tau} |"
         )
     table = "\n".join(lines)

@@ -148,8 +148,9 @@ def test_kill_9_mid_run_loses_at_most_the_last_steps(tmp_path):
     reference.train()
     final = torch.load(checkpoint, weights_only=False)
     assert final["step"] == 40
-    for name, tensor in reference.accelerator.unwrap_model(reference.drafter).state_dict().items():
+    for name, tensor in reference.exported_state_dict().items():  # checkpoints hold the saved (folded) head
         assert torch.equal(tensor, final["drafter"][name]), name
+    assert torch.equal(reference.accelerator.unwrap_model(reference.drafter).fc.weight, final["fc_weight_standardized"])
 
 
 DDP_SCRIPT = """

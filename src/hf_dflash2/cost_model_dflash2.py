@@ -2,23 +2,25 @@
 
 A round drafts ``S = B - 1`` tokens, then verifies the anchor and the first ``k`` drafts in one target
 forward (``k = 0`` is exactly a plain AR step, which still hands the drafter its context features).
-``AdaptiveVerifyPolicy`` picks ``k`` to maximise expected committed tokens per second. Once a round has
-drafted, the draft's time is spent whatever ``k`` is, so ``k`` trades verify time only::
+``AdaptiveVerifyPolicy`` picks ``k`` to maximise expected committed tokens per second::
 
-    E[committed | k] = 1 + sum_{j <= k} prod_{i <= j} a_i,   gain(k) = E[committed | k] - verify(k + 1) / verify(1)
+    E[committed | k] = 1 + sum_{j <= k} prod_{i <= j} a_i,   rate(k) = E[committed | k] / (verify(k + 1) + draft)
 
-(tokens beyond what plain steps would commit in the same time; ``gain(0) = 0``, a plain step). ``a_i`` is
-the drafter's own confidence at position ``i`` (``DraftOutput.confidence``) times a calibration ratio
-learnt during the call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled
+``a_i`` is the drafter's own confidence at position ``i`` (``DraftOutput.confidence``) times a calibration
+ratio learnt during the call: per position, (accepted + c * g) / (predicted + c), shrunk towards the pooled
 ratio ``g`` of all positions, which itself starts at ``prior_ratio`` = 0.5 (heads, fresh ones above all,
-tend to be over-confident) with ``c0`` pseudo-counts. Because a verify of 2 tokens costs about one of 1
-on a CPU, a weak draft is still checked once made, and each check feeds the calibration: a head whose
-confidence is calibrated too low is not locked out.
+tend to be over-confident) with ``c0`` pseudo-counts.
 
-Drafting pays when the best gain exceeds the draft's own cost in plain steps (``draft / verify(1)``).
-When it does not, the next rounds skip drafting (plain AR steps through the same verify path; the
-drafter's context keeps growing, so a later draft is exact) and probe again after m, 2m, 4m, ... up to
-``max_skip`` rounds, where ``m`` keeps the cost of failed probes near 3 % (``probe_overhead``); a probe
+The draft paid when the best ``rate(k)``, ``k >= 1``, beats a plain step's ``1 / verify(1)``; that ``k`` is
+verified. When it did not pay, the draft's time is spent anyway, so ``k`` then trades verify time only:
+``gain(k) = E[committed | k] - verify(k + 1) / verify(1)`` (tokens beyond what plain steps would commit in
+the same time; ``gain(0) = 0``). Because a verify of 2 tokens costs about one of 1 on a CPU, a weak draft
+is still checked once made, and each check feeds the calibration: a head whose confidence is calibrated
+too low is not locked out.
+
+When the draft did not pay, the next rounds skip drafting (plain AR steps through the same verify path;
+the drafter's context keeps growing, so a later draft is exact) and probe again after m, 2m, 4m, ... up
+to ``max_skip`` rounds, where ``m`` keeps the cost of failed probes near 3 % (``probe_overhead``); a probe
 that pays resets the backoff.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
@@ -354,22 +356,25 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
     def choose(self, confidence):
         if confidence is None:
-            return self.block_size - 1  # a drafter that reports no confidence: nothing to choose with
+            self._paid = True  # nothing to judge the draft by: keep drafting
+            return self.block_size - 1
         a = (confidence.float() * self._ratio(confidence)).clamp(0.0, 1.0)  # [N, S]
         reach = a.cumprod(dim=-1)
         expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
-        # The draft is paid for by now, so k trades only verify time: tokens gained over what plain steps
-        # would commit in the same time (rows / step each). k = 0 gains exactly nothing.
         rows = confidence.shape[0]
-        gain = expected - rows * self._verify_cost / self._step_cost  # [S + 1]
-        best = gain.argmax()
-        # Whether drafting paid at all decides the back-off (``chosen``), not whether k > 0: with a cheap
-        # verify even a weak draft is worth checking once drafted, and every verified draft calibrates.
-        self._paid = gain[best] > rows * self.cost.draft_seconds / self._step_cost
-        return best
+        # Drafting pays when some k commits tokens faster than plain steps, draft time included; then the
+        # best such rate picks k. When it does not pay, the draft is spent anyway: k then only trades verify
+        # time for tokens beyond what plain steps would commit in it (k = 0 gains nothing), so a weak draft
+        # is still checked where checking is cheap, and every checked draft calibrates the next choice.
+        rate = expected / (self._verify_cost + self.cost.draft_seconds)  # [S + 1]
+        rate[0] = 0.0
+        best_rate = rate.argmax()
+        self._paid = rate[best_rate] > rows / self._step_cost
+        gain = expected - rows * self._verify_cost / self._step_cost
+        return torch.where(self._paid, best_rate, gain.argmax())
 
     def chosen(self, k: int) -> None:
-        paid = k > 0 and bool(self._paid)  # computed before the loop's host read: no extra device wait
+        paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip

@@ -196,6 +196,8 @@ def cmd_train(args) -> int:
 
     if args.mixed_precision not in PRECISION_CHOICES:
         raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
+    if not 0 < args.output_scale <= 1:
+        raise SystemExit(f"--output-scale {args.output_scale}: must be in (0, 1]")
     if (args.data is None) == (args.store is None):
         raise SystemExit("give exactly one of --data (regenerated JSONL) or --store (feature store folder)")
     source = args.data or args.store
@@ -224,6 +226,7 @@ def cmd_train(args) -> int:
         eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every,
         standardize_features=not args.raw_features,
+        extra={"output_scale": args.output_scale},
         warmup_steps=args.warmup_steps,
         logit_ramp_steps=args.logit_ramp_steps,
     )

@@ -174,7 +174,7 @@ def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     if total is None:
         raise ValueError("feature_scale needs at least one sequence longer than its sink positions")
     rms = (total / count).sqrt()
-    floor = rms[rms > 0].median() * 1e-3 if (rms > 0).any() else torch.tensor(1.0)
+    floor = rms[rms > 0].median() * 1e-3 if (rms > 0).any() else rms.new_tensor(1.0)
     return torch.where(rms > 0, rms.clamp_min(floor), torch.ones_like(rms))
 
 
@@ -429,6 +429,9 @@ class Trainer:
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
         drafter = self.accelerator.unwrap_model(self.drafter)
         drafter.load_state_dict(state["drafter"])
+        if (state.get("feature_scale") is not None) != self.config.standardize_features:
+            logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
+                           self.config.standardize_features, state.get("feature_scale") is not None)
         self.feature_scale = state.get("feature_scale")
         if self.feature_scale is not None:  # the exact training-space weight, not an unfolded round trip
             self.feature_scale = self.feature_scale.to(self.accelerator.device)
