@@ -321,10 +321,12 @@ def _register_train(sub) -> None:
     p.add_argument("--max-sequences", type=int, default=None)
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
-    p.add_argument("--output-scale", type=float, default=1.0,
+    # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code
+    # that builds full-scale heads with DFlash2DraftModel.for_target.
+    p.add_argument("--output-scale", type=float, default=0.1,
                    help="a fresh head's output norm starts at this fraction of the target's final-norm scale")
-    p.add_argument("--logit-ramp-steps", type=int, default=d["logit_ramp_steps"],
-                   help="steps over which a fresh head's logit scale grows to 1 (capped at the warmup)")
+    p.add_argument("--logit-ramp-steps", type=int, default=0,
+                   help="steps over which a fresh head's logit scale grows to 1 (capped at the warmup; 0: none)")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(
