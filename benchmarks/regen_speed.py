@@ -19,18 +19,9 @@ import torch
 
 from hf_dflash2.assets import load_sharegpt_prompts, load_target
 from hf_dflash2.precision import resolve_dtype
+from hf_dflash2.prompts import left_pad
 from hf_dflash2.training.regenerate import encode_prompts
 from hf_dflash2.training.store import drop_evaluation_prompts
-
-
-def left_padded(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    return input_ids, attention_mask
 
 
 def main() -> None:
@@ -53,7 +44,7 @@ def main() -> None:
     rows = []
     for batch_size in [int(b) for b in args.batch_sizes.split(",")]:
         batch = encoded[len(encoded) // 2 : len(encoded) // 2 + batch_size]
-        input_ids, attention_mask = left_padded(batch, tokenizer.pad_token_id)
+        input_ids, attention_mask = left_pad([torch.tensor([ids]) for ids in batch], tokenizer.pad_token_id)
         for cache in args.caches.split(","):
             kwargs = {} if cache == "dynamic" else {"cache_implementation": cache}
             times = []

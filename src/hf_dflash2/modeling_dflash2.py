@@ -749,8 +749,8 @@ def calibrated_output_factor(drafter: "DFlash2DraftModel", target) -> float:
 
 
 @torch.no_grad()
-def calibrated_output_scale(drafter: "DFlash2DraftModel", target, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's output-norm scale (or ``scale``), [H], times a factor <= 1.
+def calibrated_output_scale(drafter: "DFlash2DraftModel", target, scale: torch.Tensor) -> torch.Tensor:
+    """An output-norm scale ``scale`` [H] (the head's own), times a factor <= 1.
 
     Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
     the residual, so its output points along that embedding; with a tied LM head the mask token then gets
@@ -758,8 +758,6 @@ def calibrated_output_scale(drafter: "DFlash2DraftModel", target, scale: torch.T
     Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
     which puts the first loss at about the uniform guess; training grows the scale back.
     """
-    if scale is None:
-        scale = target_output_scale(target, drafter.config.hidden_size)
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale

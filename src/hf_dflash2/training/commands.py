@@ -196,8 +196,6 @@ def cmd_train(args) -> int:
 
     if args.mixed_precision not in PRECISION_CHOICES:
         raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
-    if not 0 < args.output_scale <= 1:
-        raise SystemExit(f"--output-scale {args.output_scale}: must be in (0, 1]")
     if (args.data is None) == (args.store is None):
         raise SystemExit("give exactly one of --data (regenerated JSONL) or --store (feature store folder)")
     source = args.data or args.store
@@ -226,11 +224,14 @@ def cmd_train(args) -> int:
         eval_max_new_tokens=args.eval_max_new_tokens,
         log_every=args.log_every,
         standardize_features=not args.raw_features,
-        extra={"output_scale": args.output_scale},
+        output_scale=args.output_scale,
         warmup_steps=args.warmup_steps,
         logit_ramp_steps=args.logit_ramp_steps,
     )
-    config.validate()
+    try:
+        config.validate()
+    except ValueError as error:  # a named error, before any model loads
+        raise SystemExit(f"hf-dflash2 train: {error}") from None
     store = None
     if args.store:
         from .store import FeatureStore

@@ -53,7 +53,7 @@ def export_head(
         "warmup_steps": config.get("warmup_steps"),
         "logit_ramp_steps": config.get("logit_ramp_steps"),
         "standardize_features": config.get("standardize_features", False),
-        "output_scale": config.get("extra", {}).get("output_scale"),
+        "output_scale": config.get("output_scale"),
         "grad_clip": config["grad_clip"],
         "selector_weight": config["selector_weight"],
         "vocab_subset": config["vocab_subset"],

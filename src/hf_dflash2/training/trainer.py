@@ -47,6 +47,7 @@ class TrainingConfig:
     warmup_ratio: float = 0.04
     warmup_steps: int | None = None  # overrides warmup_ratio
     logit_ramp_steps: int = 20  # a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
+    output_scale: float = 1.0  # the fresh head's output norm, as a fraction of the target's (recorded; see for_target)
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
@@ -74,6 +75,8 @@ class TrainingConfig:
         for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.output_scale <= 1:
+            raise ValueError(f"output_scale must be in (0, 1], got {self.output_scale}")
         if self.logit_ramp_steps < 0:
             raise ValueError(f"logit_ramp_steps must be >= 0 (0: no ramp), got {self.logit_ramp_steps}")
         if self.warmup_steps is not None and self.warmup_steps < 1:
