@@ -52,7 +52,7 @@ from transformers import DynamicCache
 
 from .speculative_dflash2 import DraftContext, tapped_features
 
-COST_MODEL_VERSION = 1
+COST_MODEL_VERSION = 2  # 2: the draft pass lost its LM-head weight copy (half its CPU time)
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:

@@ -73,7 +73,9 @@ def block_loss(
     bias = bound.lm_head_bias
     if bias is not None and vocab_subset is not None:
         bias = bias[vocab_subset]
-    logits = drafter.finish_logits(F.linear(hidden, head.to(hidden.dtype), bias))
+    # 2-D, so a non-contiguous hidden never makes F.linear copy the LM head (see ``unary_logits``).
+    flat_logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), head.to(hidden.dtype), bias)
+    logits = drafter.finish_logits(flat_logits.view(*hidden.shape[:-1], head.shape[0]))
     if logit_scale != 1.0:
         logits = logits * logit_scale
     safe_labels = labels.clamp_min(0)
