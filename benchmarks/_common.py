@@ -48,3 +48,20 @@ def table(rows: list[dict], columns: list[str]) -> str:
             cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, path: Path) -> None:
+    """A plain bar chart (PNG) of one value per label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, len(labels) * 1.1), 3.4))
+    ax.bar(range(len(values)), values, color="#2a7")
+    ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=20)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hf_dflash2.modeling_dflash2 import DFlash2DraftModel
-from hf_dflash2.training.regenerate import RegenerationConfig, read_regenerated, regenerate
+from hf_dflash2.training.regenerate import RegenerationConfig, decode_batch, read_regenerated, regenerate
 from hf_dflash2.training.trainer import Trainer, TrainingConfig, feature_scale, sample_anchors, sequence_blocks
 
 from .conftest import REPO, tiny_drafter, tiny_target
@@ -234,6 +234,33 @@ def test_regeneration_is_resumable_and_repairs_a_torn_line(tmp_path):
     assert sorted(r["id"] for r in records) == sorted(p["id"] for p in prompts)
     assert records[:4] == first  # finished work is kept, not redone
     assert all(json.loads(line) for line in out.read_text().splitlines())
+
+
+def test_decode_batch_drops_ended_rows_and_matches_generate():
+    """Row-dropping decoding equals Transformers' ``generate``, row by row, with rows ending at
+    different steps; a broken cache selection or position bookkeeping would change later tokens."""
+    target = tiny_target(vocab_size=64, seed=1)
+    generator = torch.Generator().manual_seed(3)
+    lengths = [5, 9, 3, 7]
+    width = max(lengths)
+    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, n in enumerate(lengths):
+        input_ids[row, width - n :] = torch.randint(2, 64, (n,), generator=generator)
+        attention_mask[row, width - n :] = 1
+    free = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False, pad_token_id=0)[:, width:]
+    eos = int(free[0, 2])  # row 0 ends by its third token; others end wherever this token shows up, or run out
+    target.generation_config.eos_token_id = eos
+    reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12,
+                                do_sample=False, pad_token_id=0)[:, width:].tolist()
+    ours = decode_batch(target, input_ids, attention_mask, 12, {eos})
+    ends = []
+    for row, tokens in enumerate(reference):
+        cut = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+        assert ours[row] == tokens[:cut], row
+        ends.append(cut)
+    assert ends[0] <= 3 and max(ends) > ends[0] + 3  # rows really ended at different steps, and decoding went on
 
 
 def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
