@@ -14,6 +14,7 @@ Writes benchmarks/results/adaptive_<dtype>.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -70,7 +71,11 @@ def batch1(target, heads, prompts, n, repeats):
                         h = out.stats.verify_length_histogram
                         histogram = h if histogram is None else [a + b for a, b in zip(histogram, h)]
         total = {m: sum(v) for m, v in runs.items()}
-        per_prompt = [runs["greedy"][i] / runs["adaptive"][i] for i in range(len(runs["greedy"]))]
+        # Per prompt: the median over repeats of each method's time (runs are prompt-major, repeat-minor).
+        def per_prompt_median(method):
+            return [statistics.median(runs[method][i * repeats : (i + 1) * repeats]) for i in range(len(prompts))]
+
+        per_prompt = [g / a for g, a in zip(per_prompt_median("greedy"), per_prompt_median("adaptive"))]
         rows.append({"head": head_name, "greedy_tok_s": len(runs["greedy"]) * n / total["greedy"],
                      "fixed_x": total["greedy"] / total["fixed"], "adaptive_x": total["greedy"] / total["adaptive"],
                      "hf_adaptive_x": total["greedy"] / total["hf_adaptive"],
@@ -124,7 +129,7 @@ def chart(rows, b8, path: Path, dtype: str) -> None:
     ax.axhline(0.95, color="r", lw=0.6, ls="--")
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("speed / plain greedy (same dtype)")
-    ax.set_title(f"SmolLM2-135M {dtype}, CPU shared with a training run")
+    ax.set_title(f"SmolLM2-135M {dtype}, batch 1 (and 8), adaptive vs fixed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -138,6 +143,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--batch8", action="store_true")
     parser.add_argument("--skip-batch1", action="store_true")
+    parser.add_argument("--shared-cpu", action="store_true", help="say in the results that another job ran")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target, tokenizer = load_target()
@@ -151,7 +157,9 @@ def main() -> None:
     mixed = (load_humaneval_prompts()[: (args.prompts + 1) // 2] + load_mtbench_prompts()[: args.prompts // 2])
     prompts = [encode_prompt(tokenizer, p, "cpu") for p in mixed]
     results = {"command": "python benchmarks/adaptive.py " + " ".join(sys.argv[1:]), "dtype": args.dtype,
-               "note": "2 CPU cores shared with a training run: ratios are side by side, absolute tok/s are noisy"}
+               "load_average_at_start": os.getloadavg(),
+               "note": ("CPU shared with another job: " if args.shared_cpu else "no other job running: ")
+               + "ratios are side by side in one process; absolute tok/s are noisy"}
     with torch.no_grad():
         for name, head in heads.items():
             results[f"cost_model_{name}"] = load_or_measure_cost_model(target, head, 1).as_dict()

@@ -284,3 +284,16 @@ def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
         "truncated record at end of file": 1,
     }
     assert "loaded 1" in str(report)
+
+
+def test_exported_history_is_thinned_but_keeps_every_evaluation():
+    from hf_dflash2.training.export import thin_history
+
+    history = [{"step": i + 1, "loss": 1.0} for i in range(5000)]
+    for i in (999, 1999, 4321):
+        history[i]["eval_tau"] = 1.2
+    thinned = thin_history(history, keep=800)
+    assert len(thinned) <= 810
+    assert [h["step"] for h in thinned if "eval_tau" in h] == [1000, 2000, 4322]
+    assert thinned[0]["step"] == 1 and thinned[-1]["step"] == 5000
+    assert thin_history(history[:50]) == history[:50]

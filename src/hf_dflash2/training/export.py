@@ -69,8 +69,15 @@ def export_head(
         "final_loss_mean_last_25": sum(h["loss"] for h in state["history"][-25:]) / max(1, len(state["history"][-25:])),
     }
     (folder / "training_recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
-    (folder / "training_history.json").write_text(json.dumps(state["history"]) + "\n")
+    (folder / "training_history.json").write_text(json.dumps(thin_history(state["history"])) + "\n")
     return folder
+
+
+def thin_history(history: list[dict], keep: int = 800) -> list[dict]:
+    """At most about ``keep`` evenly spaced entries, plus every evaluation and the last step: a long run's
+    per-step log would otherwise weigh megabytes in every published head."""
+    stride = max(1, -(-len(history) // keep))
+    return [h for i, h in enumerate(history) if i % stride == 0 or "eval_tau" in h or i == len(history) - 1]
 
 
 def _data_vocab(state, data_path, config, max_sequences=None) -> list[int]:
