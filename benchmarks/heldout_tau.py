@@ -55,13 +55,14 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target and heads run in this dtype")
     args = parser.parse_args()
     for head in args.heads:
         if not (Path(head) / "config.json").exists():
             raise SystemExit(f"{head}: not a head folder (no config.json)")
     from hf_dflash2.assets import load_target
 
-    target, tokenizer = load_target()
+    target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     results = evaluate(target, tokenizer, args.heads, args.prompts, args.tokens)
     if args.output:
         report = {"command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]), "results": results}

@@ -50,7 +50,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from .speculative_dflash2 import DraftContext, tapped_features
+from .speculative_dflash2 import DraftContext, last_position, tapped_features
 
 COST_MODEL_VERSION = 2  # 2: the draft pass lost its LM-head weight copy (half its CPU time)
 
@@ -176,7 +176,7 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window layers past their window can then be cropped
     out = target(input_ids=ids[:, :context_length], position_ids=positions[:, :context_length], cache=cache,
-                 use_cache=True, output_hidden_states=capture, logits_to_keep=1)
+                 use_cache=True, output_hidden_states=capture, logits_to_keep=last_position(context_length, device))
     context = DraftContext(drafter, batch_size, context_length + block_size, device)
     context.append(tapped_features(out.hidden_states, layer_ids), positions[:, :context_length])
     anchor_pos = torch.full((batch_size,), context_length, device=device)

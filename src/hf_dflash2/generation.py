@@ -30,6 +30,7 @@ from .speculative_dflash2 import (
     accept_greedy,
     accept_sampling,
     dense_proposal,
+    last_position,
     process_logits,
     tapped_features,
 )
@@ -159,7 +160,8 @@ def prefill(target, drafter, input_ids, attention_mask, capacity: int):
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # lets sliding-window layers be cropped
     out = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                 use_cache=True, output_hidden_states=[i + 1 for i in layer_ids], logits_to_keep=1)
+                 use_cache=True, output_hidden_states=[i + 1 for i in layer_ids],
+                 logits_to_keep=last_position(input_ids.shape[1], input_ids.device))
     context = DraftContext(drafter, input_ids.shape[0], capacity, input_ids.device)
     context.append(tapped_features(out.hidden_states, layer_ids), positions, attention_mask.bool())
     return cache, context, out.logits[:, -1].float()

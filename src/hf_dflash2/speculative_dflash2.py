@@ -18,6 +18,15 @@ def tapped_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def last_position(length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``logits_to_keep`` for a prefill of ``length`` positions that needs only the last one's logits.
+
+    As an index tensor, not the integer 1: Transformers slices ``hidden[:, -1:, :]`` for an integer, and
+    ``F.linear`` on that non-contiguous 3-D slice copies the LM head weight once per row (measured: 0.6 s
+    for a batch of 8 on SmolLM2-135M, seconds at batch 64); indexing gives a contiguous slice."""
+    return torch.tensor([length - 1], device=device)
+
+
 def process_logits(
     logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
 ) -> torch.Tensor:

@@ -23,6 +23,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from ..speculative_dflash2 import last_position
+
 
 @dataclass
 class RegenerationConfig:
@@ -93,7 +95,7 @@ def decode_batch(
     cache = DynamicCache(config=target.config)
     positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     logits = target(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1).logits[:, -1]
+                    use_cache=True, logits_to_keep=last_position(input_ids.shape[1], device)).logits[:, -1]
     rows = torch.arange(input_ids.shape[0], device=device)  # output row of each live cache row
     next_position = positions[:, -1] + 1
     mask = attention_mask.long()

@@ -28,7 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..modeling_dflash2 import DFlash2DraftModel, calibrated_output_factor
-from ..speculative_dflash2 import tapped_features
+from ..speculative_dflash2 import last_position, tapped_features
 from .losses import block_loss, decay_gamma
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,8 @@ class Trainer:
             return self._features[index]
         drafter = self.accelerator.unwrap_model(self.drafter)
         input_ids = torch.tensor([self.sequences[index]["input_ids"]], device=self.accelerator.device)
-        out = self.target(input_ids=input_ids, output_hidden_states=True, logits_to_keep=1)
+        out = self.target(input_ids=input_ids, output_hidden_states=True,
+                          logits_to_keep=last_position(input_ids.shape[1], input_ids.device))
         features = tapped_features(out.hidden_states, drafter.config.target_layer_ids)
         if self.config.cache_features:
             self._features[index] = features
