@@ -87,6 +87,24 @@ def test_resume_gives_identical_weights(tmp_path):
     assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
 
 
+def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path):
+    source = make_trainer(tmp_path / "a", steps=4)
+    source.train()
+    fine_tune = make_trainer(tmp_path / "b", steps=3, seed=1)
+    fine_tune.initialize_from(tmp_path / "a")
+    a = source.accelerator.unwrap_model(source.drafter).state_dict()
+    b = fine_tune.accelerator.unwrap_model(fine_tune.drafter).state_dict()
+    for name in a:  # the training-space weights, fc included (not the folded copy in state["drafter"])
+        assert torch.equal(a[name], b[name]), name
+    assert torch.equal(fine_tune.feature_scale, source.feature_scale)
+    assert fine_tune.step == 0 and fine_tune.history == []
+    fine_tune.train()
+    assert fine_tune.step == 3 and len(fine_tune.history) == 3
+    mismatched = make_trainer(tmp_path / "c", steps=3, dflash2=False)  # no conv, no selector
+    with pytest.raises(ValueError, match="does not match this run's shape"):
+        mismatched.initialize_from(tmp_path / "a")
+
+
 def test_standardized_features_fold_into_the_saved_head(tmp_path):
     trainer = make_trainer(tmp_path, steps=3)
     trainer.train()

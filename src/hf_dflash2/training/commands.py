@@ -255,6 +255,12 @@ def cmd_train(args) -> int:
     drafter = _new_drafter(target, args, layer_ids)
     eval_prompts = [ids for _, ids in encode_prompts(tokenizer, heldout_prompts(args.eval_prompts), 1024)]
     trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
+    resuming = args.resume and trainer.checkpoint_path.exists()
+    if args.init_from and not resuming:  # a resumed fine-tune continues from its own checkpoint
+        try:
+            trainer.initialize_from(args.init_from)
+        except (FileNotFoundError, ValueError) as error:
+            raise SystemExit(f"hf-dflash2 train: {error}") from None
     logger.info(
         "training %s head: %d sequences, %d steps, precision %s, labels %s",
         "DFlash-1" if args.dflash1 else "dFlash 2",
@@ -314,6 +320,8 @@ def _register_train(sub) -> None:
     p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
     p.add_argument("--steps", type=int, default=d["steps"])
     p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
+    p.add_argument("--init-from", default=None,
+                   help="start from this run's checkpoint (run folder or checkpoint.pt): weights only, fresh schedule")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"])

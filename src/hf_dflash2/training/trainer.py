@@ -449,6 +449,31 @@ class Trainer:
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
+    def initialize_from(self, checkpoint: str | Path) -> None:
+        """Start from another run's weights (a fine-tune, e.g. on new data): the drafter, its feature
+        scale and draft vocabulary come from ``checkpoint`` (a run folder or its ``checkpoint.pt``); the
+        optimizer, schedule, step and history start fresh. The drafter's shape must match."""
+        path = Path(checkpoint)
+        path = path / "checkpoint.pt" if path.is_dir() else path
+        if not path.exists():
+            raise FileNotFoundError(f"--init-from {checkpoint}: no checkpoint at {path}")
+        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        try:
+            drafter.load_state_dict(state["drafter"])
+        except RuntimeError as error:
+            raise ValueError(f"--init-from {path}: its drafter does not match this run's shape: {error}") from None
+        standardized = state.get("feature_scale") is not None
+        if standardized != self.config.standardize_features:
+            raise ValueError(f"--init-from {path}: trained with standardize_features={standardized}, "
+                             f"this run uses {self.config.standardize_features}")
+        if state.get("feature_scale") is not None:  # keep the scale the weights were trained under
+            self.feature_scale = state["feature_scale"].to(self.accelerator.device)
+            drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
+        if state.get("vocab_subset") is not None and self.vocab_subset is not None:
+            self.vocab_subset = torch.tensor(state["vocab_subset"], device=self.accelerator.device)
+        logger.info("initialized from %s (its step %d)", path, state["step"])
+
     @contextmanager
     def exported_weights(self):
         """The drafter as it is saved: the feature scale folded into ``fc`` (it reads raw target features)."""
