@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from hf_dflash2.modeling_dflash2 import DFlash2DraftModel
 from hf_dflash2.training.regenerate import RegenerationConfig, decode_batch, read_regenerated, regenerate
@@ -30,7 +31,7 @@ def toy_sequences(n=8, length=40, vocab=64, seed=0):
     return out
 
 
-def make_trainer(tmp_path, steps=6, dflash2=True, **overrides):
+def make_trainer(tmp_path, steps=6, dflash2=True, sequences=None, **overrides):
     target = tiny_target(vocab_size=64)
     with torch.no_grad():  # a random tiny LM head has tiny weights; a real one's logits span tens of nats
         target.lm_head.weight.mul_(25.0)
@@ -44,7 +45,7 @@ def make_trainer(tmp_path, steps=6, dflash2=True, **overrides):
         learning_rate=3e-3,
     )
     config = TrainingConfig(**{**settings, **overrides})
-    return Trainer(target, drafter, toy_sequences(), config)
+    return Trainer(target, drafter, sequences or toy_sequences(), config)
 
 
 def test_blocks_and_anchors():
@@ -88,10 +89,14 @@ def test_resume_gives_identical_weights(tmp_path):
 
 
 def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path):
-    source = make_trainer(tmp_path / "a", steps=4)
+    source = make_trainer(tmp_path / "a", steps=4, logit_ramp_steps=2)
     source.train()
-    fine_tune = make_trainer(tmp_path / "b", steps=3, seed=1)
+    other_data = toy_sequences(seed=5, length=48)  # with a feature scale of its own
+    fine_tune = make_trainer(tmp_path / "b", steps=3, seed=1, logit_ramp_steps=2, sequences=other_data)
+    assert not torch.equal(fine_tune.feature_scale, source.feature_scale)
+    assert fine_tune.logit_scale(0) < 1.0  # a fresh head's damped start
     fine_tune.initialize_from(tmp_path / "a")
+    assert fine_tune.logit_scale(0) == 1.0  # a trained head is not damped again
     a = source.accelerator.unwrap_model(source.drafter).state_dict()
     b = fine_tune.accelerator.unwrap_model(fine_tune.drafter).state_dict()
     for name in a:  # the training-space weights, fc included (not the folded copy in state["drafter"])
@@ -101,8 +106,16 @@ def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path)
     fine_tune.train()
     assert fine_tune.step == 3 and len(fine_tune.history) == 3
     mismatched = make_trainer(tmp_path / "c", steps=3, dflash2=False)  # no conv, no selector
+    before = {k: v.clone() for k, v in mismatched.accelerator.unwrap_model(mismatched.drafter).state_dict().items()}
     with pytest.raises(ValueError, match="does not match this run's shape"):
         mismatched.initialize_from(tmp_path / "a")
+    raw = make_trainer(tmp_path / "d", steps=3, standardize_features=False)
+    with pytest.raises(ValueError, match="standardize_features"):
+        raw.initialize_from(tmp_path / "a")
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        raw.initialize_from(tmp_path / "nowhere")
+    after = mismatched.accelerator.unwrap_model(mismatched.drafter).state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # a refused source changes nothing
 
 
 def test_standardized_features_fold_into_the_saved_head(tmp_path):
@@ -272,7 +285,19 @@ def test_decode_batch_drops_ended_rows_and_matches_generate():
     target.generation_config.eos_token_id = eos
     reference = target.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12,
                                 do_sample=False, pad_token_id=0)[:, width:].tolist()
-    ours = decode_batch(target, input_ids, attention_mask, 12, {eos})
+    selected = []
+    original = DynamicCache.batch_select_indices
+
+    def spy(cache, indices):
+        selected.append(indices.tolist())
+        return original(cache, indices)
+
+    DynamicCache.batch_select_indices = spy
+    try:
+        ours = decode_batch(target, input_ids, attention_mask, 12, {eos})
+    finally:
+        DynamicCache.batch_select_indices = original
+    assert selected and len(selected[0]) < len(lengths)  # ended rows really left the cache
     ends = []
     for row, tokens in enumerate(reference):
         cut = tokens.index(eos) + 1 if eos in tokens else len(tokens)

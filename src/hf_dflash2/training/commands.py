@@ -256,7 +256,9 @@ def cmd_train(args) -> int:
     eval_prompts = [ids for _, ids in encode_prompts(tokenizer, heldout_prompts(args.eval_prompts), 1024)]
     trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
     resuming = args.resume and trainer.checkpoint_path.exists()
-    if args.init_from and not resuming:  # a resumed fine-tune continues from its own checkpoint
+    if args.init_from and resuming:
+        logger.info("--init-from %s ignored: resuming from %s", args.init_from, trainer.checkpoint_path)
+    elif args.init_from:
         try:
             trainer.initialize_from(args.init_from)
         except (FileNotFoundError, ValueError) as error:

@@ -61,6 +61,7 @@ def export_head(
         "label_source": config.get("label_source", "data"),
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
+        "initialized_from": state.get("initialized_from"),
         "block_positions": state["history"][-1].get("block_positions") if state["history"] else None,
         "train_minutes": round(state["history"][-1].get("train_seconds", 0) / 60, 1) if state["history"] else None,
         "data": data_description

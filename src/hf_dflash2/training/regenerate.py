@@ -87,9 +87,13 @@ def decode_batch(
     """Greedy (or sampled) decoding of left-padded prompts [N, P] that drops each row once it ends.
 
     Returns each row's new tokens, up to and including its first EOS (or ``max_new_tokens`` of them).
-    Token for token the same as ``generate`` with the same settings: a row's logits never depend on the
-    other rows (masked padding, per-row positions), so removing finished rows changes nothing else.
+    Greedy, it is token for token ``generate``'s output: a row's logits never depend on the other rows
+    (masked padding, per-row positions), so removing finished rows changes nothing else. Sampling is
+    plain temperature sampling (no top-k / top-p / penalties from the target's generation config).
+    Needs a cache that supports ``batch_select_indices`` (attention KV caches; not linear-attention layers).
     """
+    if do_sample and not temperature > 0:
+        raise ValueError(f"do_sample needs temperature > 0, got {temperature}")
     device = input_ids.device
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     cache = DynamicCache(config=target.config)

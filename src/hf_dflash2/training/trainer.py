@@ -243,6 +243,7 @@ class Trainer:
         self.history: list[dict] = []
         self.output_dir = Path(config.output_dir)
         self._features: dict[int, torch.Tensor] = {}
+        self.initialized_from = None  # {"checkpoint", "step"} of a fine-tune's source (initialize_from)
         self.feature_scale = None  # [taps * H] while fc trains on standardized features (see feature_scale)
         if config.standardize_features:
             sample = range(min(len(sequences), 64))
@@ -418,6 +419,7 @@ class Trainer:
             "history": self.history,
             "config": asdict(self.config),
             "drafter_config": self.accelerator.unwrap_model(self.drafter).config.to_dict(),
+            "initialized_from": self.initialized_from,
             "vocab_subset": None if self.vocab_subset is None else self.vocab_subset.tolist(),
         }
         fd, tmp = tempfile.mkstemp(dir=self.output_dir, prefix=".checkpoint.")
@@ -446,32 +448,52 @@ class Trainer:
         random.setstate(state["python_rng"])
         self.step = state["step"]
         self.history = state["history"]
+        self.initialized_from = state.get("initialized_from")
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
     def initialize_from(self, checkpoint: str | Path) -> None:
         """Start from another run's weights (a fine-tune, e.g. on new data): the drafter, its feature
-        scale and draft vocabulary come from ``checkpoint`` (a run folder or its ``checkpoint.pt``); the
-        optimizer, schedule, step and history start fresh. The drafter's shape must match."""
+        scale and (when this run restricts the vocabulary) its draft vocabulary come from ``checkpoint``
+        (a run folder or a checkpoint file); optimizer, schedule, step and history start fresh, and there
+        is no logit ramp (the head is trained already). Everything is checked before anything changes:
+        the drafter's shape, its tapped layers and block size, and the feature standardization."""
         path = Path(checkpoint)
-        path = path / "checkpoint.pt" if path.is_dir() else path
+        if path.is_dir():
+            path = next((path / name for name in ("checkpoint.pt", "checkpoint.rank0.pt") if (path / name).exists()),
+                        path / "checkpoint.pt")
         if not path.exists():
             raise FileNotFoundError(f"--init-from {checkpoint}: no checkpoint at {path}")
-        state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
-        drafter = self.accelerator.unwrap_model(self.drafter)
         try:
-            drafter.load_state_dict(state["drafter"])
-        except RuntimeError as error:
-            raise ValueError(f"--init-from {path}: its drafter does not match this run's shape: {error}") from None
+            state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            source_config, weights = state["drafter_config"], state["drafter"]
+        except Exception as error:  # a file that is not one of our checkpoints
+            kind = type(error).__name__
+            raise ValueError(f"--init-from {path}: not a training checkpoint ({kind}: {error})") from None
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        ours = drafter.config.to_dict()
+        for name in ("target_layer_ids", "block_size", "hidden_size", "vocab_size", "num_hidden_layers"):
+            theirs = source_config.get(name, (source_config.get("dflash_config") or {}).get(name))
+            mine = ours.get(name, (ours.get("dflash_config") or {}).get(name))
+            if theirs != mine:
+                raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}")
         standardized = state.get("feature_scale") is not None
         if standardized != self.config.standardize_features:
             raise ValueError(f"--init-from {path}: trained with standardize_features={standardized}, "
                              f"this run uses {self.config.standardize_features}")
-        if state.get("feature_scale") is not None:  # keep the scale the weights were trained under
+        expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+        given = {name: tuple(t.shape) for name, t in weights.items()}
+        if given != expected:  # load_state_dict would copy what matches before it raised
+            differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
+            raise ValueError(f"--init-from {path}: its drafter does not match this run's shape: {differ}")
+        drafter.load_state_dict(weights)
+        if standardized:  # the scale the weights were trained under, and the exact training-space fc
             self.feature_scale = state["feature_scale"].to(self.accelerator.device)
             drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
         if state.get("vocab_subset") is not None and self.vocab_subset is not None:
             self.vocab_subset = torch.tensor(state["vocab_subset"], device=self.accelerator.device)
+        self.output_factor = 1.0  # no ramp: the fresh head's damping would flatten a trained head's logits
+        self.initialized_from = {"checkpoint": str(path), "step": state["step"]}
         logger.info("initialized from %s (its step %d)", path, state["step"])
 
     @contextmanager
