@@ -76,12 +76,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path)
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other runs drawn on the same axes")
+    parser.add_argument("--continued-by", type=Path, default=None,
+                        help="a run started from this one's last checkpoint (--init-from): drawn after it, offset "
+                        "by this run's block positions and minutes")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
-    points = curve(load_history(args.run))
+    history = load_history(args.run)
+    points = curve(history)
     if not points:
         raise SystemExit(f"{args.run}: no evaluation points yet (train with --eval-every)")
     extra = {str(run): curve(load_history(run)) for run in args.compare}
+    if args.continued_by:
+        base_positions = history[-1].get("block_positions", 0)
+        base_minutes = history[-1].get("train_seconds", 0.0) / 60
+        continued = [
+            dict(p, block_positions=p["block_positions"] + base_positions,
+                 train_minutes=round(p["train_minutes"] + base_minutes, 1))
+            for p in curve(load_history(args.continued_by))
+        ]
+        extra[f"{args.continued_by} (from step {history[-1]['step']})"] = [points[-1], *continued]
     args.output.mkdir(parents=True, exist_ok=True)
     report = {
         "command": " ".join(["python", "benchmarks/tau_curve.py"] + sys.argv[1:]),
