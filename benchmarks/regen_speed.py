@@ -27,7 +27,7 @@ from _common import chart_bars  # noqa: E402
 from hf_dflash2.assets import load_sharegpt_prompts, load_target  # noqa: E402
 from hf_dflash2.precision import resolve_dtype  # noqa: E402
 from hf_dflash2.prompts import left_pad  # noqa: E402
-from hf_dflash2.training.regenerate import decode_batch, encode_prompts  # noqa: E402
+from hf_dflash2.training.regenerate import decode_batch, encode_prompts, response_eos_ids  # noqa: E402
 from hf_dflash2.training.store import drop_evaluation_prompts  # noqa: E402
 
 
@@ -48,8 +48,7 @@ def main() -> None:
 
     dtype = resolve_dtype(args.mixed_precision)
     target, tokenizer = load_target(dtype=dtype)
-    eos = target.generation_config.eos_token_id
-    eos = {i for i in (eos if isinstance(eos, list) else [eos]) + [tokenizer.eos_token_id] if i is not None}
+    eos = response_eos_ids(target, tokenizer)
     prompts, report = load_sharegpt_prompts()
     prompts = drop_evaluation_prompts(prompts, report)
     encoded = [ids for _, ids in encode_prompts(tokenizer, prompts[:1024], args.max_prompt_tokens)]

@@ -267,7 +267,7 @@ def test_regeneration_is_resumable_and_repairs_a_torn_line(tmp_path):
     assert all(json.loads(line) for line in out.read_text().splitlines())
 
 
-def test_decode_batch_drops_ended_rows_and_matches_generate():
+def test_decode_batch_drops_ended_rows_and_matches_generate(monkeypatch):
     """Row-dropping decoding equals Transformers' ``generate``, row by row, with rows ending at
     different steps; a broken cache selection or position bookkeeping would change later tokens."""
     target = tiny_target(vocab_size=64, seed=1)
@@ -292,11 +292,8 @@ def test_decode_batch_drops_ended_rows_and_matches_generate():
         selected.append(indices.tolist())
         return original(cache, indices)
 
-    DynamicCache.batch_select_indices = spy
-    try:
-        ours = decode_batch(target, input_ids, attention_mask, 12, {eos})
-    finally:
-        DynamicCache.batch_select_indices = original
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
+    ours = decode_batch(target, input_ids, attention_mask, 12, {eos})
     assert selected and len(selected[0]) < len(lengths)  # ended rows really left the cache
     ends = []
     for row, tokens in enumerate(reference):

@@ -73,6 +73,13 @@ def encode_prompts(tokenizer, prompts: list[dict], max_prompt_tokens: int) -> li
     return encoded
 
 
+def response_eos_ids(target, tokenizer) -> set[int]:
+    """The ids that end a response: the target's generation config's EOS ids and the tokenizer's."""
+    ids = target.generation_config.eos_token_id
+    ids = ids if isinstance(ids, list) else [ids]
+    return {i for i in [*ids, tokenizer.eos_token_id] if i is not None}
+
+
 @torch.no_grad()
 def decode_batch(
     target,
@@ -150,9 +157,7 @@ def regenerate(
     chunk = config.batch_size * 16
     todo = [item for i in range(0, len(todo), chunk) for item in sorted(todo[i : i + chunk], key=lambda x: len(x[1]))]
     pad_id = tokenizer.pad_token_id
-    eos_ids = target.generation_config.eos_token_id
-    eos_ids = eos_ids if isinstance(eos_ids, list) else [eos_ids]
-    eos_ids = {i for i in [*eos_ids, tokenizer.eos_token_id] if i is not None}
+    eos_ids = response_eos_ids(target, tokenizer)
     device = next(target.parameters()).device
     progress = tqdm(total=len(todo), desc="regenerate", unit="prompt", initial=0)
     started, new_tokens = time.perf_counter(), 0

@@ -433,15 +433,10 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
-        drafter = self.accelerator.unwrap_model(self.drafter)
-        drafter.load_state_dict(state["drafter"])
         if (state.get("feature_scale") is not None) != self.config.standardize_features:
             logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
                            self.config.standardize_features, state.get("feature_scale") is not None)
-        self.feature_scale = state.get("feature_scale")
-        if self.feature_scale is not None:  # the exact training-space weight, not an unfolded round trip
-            self.feature_scale = self.feature_scale.to(self.accelerator.device)
-            drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
+        self._restore_drafter(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
@@ -451,6 +446,16 @@ class Trainer:
         self.initialized_from = state.get("initialized_from")
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
+
+    def _restore_drafter(self, state: dict) -> None:
+        """The drafter from a checkpoint state: its saved (folded) weights, then, when it trained on
+        standardized features, their scale and the exact training-space ``fc`` (not an unfolded round trip)."""
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        drafter.load_state_dict(state["drafter"])
+        self.feature_scale = state.get("feature_scale")
+        if self.feature_scale is not None:
+            self.feature_scale = self.feature_scale.to(self.accelerator.device)
+            drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
 
     def initialize_from(self, checkpoint: str | Path) -> None:
         """Start from another run's weights (a fine-tune, e.g. on new data): the drafter, its feature
@@ -486,12 +491,10 @@ class Trainer:
         if given != expected:  # load_state_dict would copy what matches before it raised
             differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
             raise ValueError(f"--init-from {path}: its drafter does not match this run's shape: {differ}")
-        drafter.load_state_dict(weights)
-        if standardized:  # the scale the weights were trained under, and the exact training-space fc
-            self.feature_scale = state["feature_scale"].to(self.accelerator.device)
-            drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
+        self._restore_drafter(state)
         if state.get("vocab_subset") is not None and self.vocab_subset is not None:
             self.vocab_subset = torch.tensor(state["vocab_subset"], device=self.accelerator.device)
+            self._head_weight = None  # restricted to the old subset, if it was made already
         self.output_factor = 1.0  # no ramp: the fresh head's damping would flatten a trained head's logits
         self.initialized_from = {"checkpoint": str(path), "step": state["step"]}
         logger.info("initialized from %s (its step %d)", path, state["step"])
