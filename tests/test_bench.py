@@ -13,13 +13,16 @@ from .conftest import tiny_drafter, tiny_target
 def test_summary_speedup_tau_and_card_numbers():
     per_method = {
         "ar": {"tokens": [10, 20], "seconds": [1.0, 2.0]},  # 0.1 s/token
-        "dflash2_fast": {"tokens": [10, 20], "seconds": [0.5, 1.0],
+        "dflash2_fast": {"tokens": [10, 20], "seconds": [0.5, 2.5],
                          "stats_list": [{"rounds": 4, "committed": 10, "accepted_histogram": [1, 1, 2, 0]},
                                         {"rounds": 6, "committed": 20, "accepted_histogram": [0, 0, 0, 6]}]},
     }
     summary = summarize(per_method)
     assert summary["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
-    assert summary["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(2.0)
+    # median s/token: AR 0.1, dflash2 median(0.05, 0.125) = 0.0875; per prompt 2.0x and 0.8x
+    assert summary["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(0.1 / 0.0875)
+    assert summary["dflash2_fast"]["speedup_per_prompt"] == pytest.approx([2.0, 0.8])
+    assert summary["dflash2_fast"]["speedup_worst_prompt"] == pytest.approx(0.8)
     assert summary["dflash2_fast"]["tau"] == pytest.approx(3.0)
     # 10 rounds: 9 passed position 1, then 8 of 9, then 6 of 8
     assert summary["dflash2_fast"]["per_position_acceptance"] == pytest.approx([0.9, 8 / 9, 0.75])
@@ -27,8 +30,8 @@ def test_summary_speedup_tau_and_card_numbers():
               "machine": {"device": "cpu", "threads": 2}, "skipped": {"prompt_lookup": "why"}, "command": "hf-dflash2 bench"}
     card = card_results(report, "dflash2_fast")
     assert card["datasets"]["humaneval"]["tau"] == pytest.approx(3.0)
-    assert card["datasets"]["humaneval"]["speedup"] == pytest.approx(2.0)
-    assert "| dflash2_fast | 3.00 |" in markdown_table(report)
+    assert card["datasets"]["humaneval"]["speedup"] == pytest.approx(0.1 / 0.0875)
+    assert "| dflash2_fast | 3.00 | 14.0 | 1.14x | 0.80x |" in markdown_table(report)
     with pytest.raises(ValueError, match="not in this report"):
         card_results(report, "missing_method")
 

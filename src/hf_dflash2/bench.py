@@ -11,8 +11,9 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
   weights mapped into its ``MuseGlimmerAssistantModel`` (batch 1).
 
 Per method and prompt set: tau (mean tokens per target forward) and per-position acceptance, tokens/s
-(median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), and the
-spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
+(median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), the
+speedup on every single prompt (AR's time per token on that prompt over the method's) and the worst of
+them, and the spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
 """
 
 from __future__ import annotations
@@ -241,6 +242,10 @@ def summarize(per_method: dict) -> dict:
         }
         if ar_spt is not None:
             entry["speedup_vs_ar"] = ar_spt / statistics.median(seconds_per_token)
+            per_prompt = [a_s / max(a_t, 1) / m_spt for a_s, a_t, m_spt in
+                          zip(per_method["ar"]["seconds"], per_method["ar"]["tokens"], seconds_per_token)]
+            entry["speedup_per_prompt"] = per_prompt
+            entry["speedup_worst_prompt"] = min(per_prompt)
         stats_list = data.get("stats_list")
         if stats_list:
             rounds = sum(s["rounds"] for s in stats_list)
@@ -265,13 +270,15 @@ def markdown_table(report: dict) -> str:
     for name, methods in report["datasets"].items():
         lines.append(f"**{name}** ({next(iter(methods.values()))['prompts']} prompts, batch {report['settings']['batch_size']}, "
                      f"T={report['settings']['temperature']}, max {report['settings']['max_new_tokens']} new tokens)\n")
-        lines.append("| method | tau | tokens/s (median) | speedup vs AR | s/prompt median [min, max] | acceptance pos 1..4 |")
-        lines.append("|---|---|---|---|---|---|")
+        lines.append("| method | tau | tokens/s (median) | speedup vs AR | worst prompt | s/prompt median [min, max] "
+                     "| acceptance pos 1..4 |")
+        lines.append("|---|---|---|---|---|---|---|")
         for method, e in methods.items():
             tau = f"{e['tau']:.2f}" if e.get("tau") else "-"
             speed = f"{e['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in e else "-"
+            worst = f"{e['speedup_worst_prompt']:.2f}x" if "speedup_worst_prompt" in e else "-"
             accept = ", ".join(f"{a:.2f}" for a in (e.get("per_position_acceptance") or [])[:4]) or "-"
-            lines.append(f"| {method} | {tau} | {e['tokens_per_s_median']:.1f} | {speed} | "
+            lines.append(f"| {method} | {tau} | {e['tokens_per_s_median']:.1f} | {speed} | {worst} | "
                          f"{e['seconds_per_prompt_median']:.2f} [{e['seconds_per_prompt_min']:.2f}, {e['seconds_per_prompt_max']:.2f}] | {accept} |")
         lines.append("")
     if report["skipped"]:
