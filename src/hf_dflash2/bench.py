@@ -12,8 +12,8 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 
 Per method and prompt set: tau (mean tokens per target forward) and per-position acceptance, tokens/s
 (median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), the
-speedup on every single prompt (AR's time per token on that prompt over the method's) and the worst of
-them, and the spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
+speedup on every single prompt (AR's time per token on that prompt over the method's; per batch when
+batch > 1) and the worst of them, and the spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
 """
 
 from __future__ import annotations
