@@ -63,31 +63,30 @@ train-smollm2: store-smollm2
 
 # The committed head: the flagship's weights fine-tuned on the target's own greedy responses (matched data).
 REGEN := data/regen_sharegpt.jsonl
+FT_PROMPTS ?= 1500
+FT_STORE ?= data/store_regen
+FT_STORE_TOKENS ?= 600000
+FT_FROM ?= runs/flagship2
+FT_RUN ?= runs/finetune_regen
+FT_STEPS ?= 1000
+
 finetune-smollm2: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 1500 --batch-size 64 --max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 store --output data/store_regen --source $(REGEN) --target-layer-ids 1,7,14,20,27 \
-		--max-tokens 600000
-	$(VENV)/bin/hf-dflash2 train --store data/store_regen --init-from runs/flagship2 --output runs/finetune_regen \
-		--steps 1000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 --label-source kl --layers 2 \
+	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit $(FT_PROMPTS) --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output $(FT_STORE) --source $(REGEN) --target-layer-ids 1,7,14,20,27 \
+		--max-tokens $(FT_STORE_TOKENS)
+	$(VENV)/bin/hf-dflash2 train --store $(FT_STORE) --init-from $(FT_FROM) --output $(FT_RUN) \
+		--steps $(FT_STEPS) --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 --label-source kl --layers 2 \
 		--block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 --output-scale 0.1 \
 		--logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 100 \
 		--log-every 50 --resume
-	$(PY) -m hf_dflash2.training.export runs/finetune_regen runs/finetune_regen/export
-	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_regen/export --prompts 16 --tokens 64
+	$(PY) -m hf_dflash2.training.export $(FT_RUN) $(FT_RUN)/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 $(FT_RUN)/export --prompts 16 --tokens 64
 
 # The next fine-tune (session 5's plan): 6,000 regenerated prompts (4x), about one epoch, from the committed
 # head's run. Resumable at every stage; compare on held-out tau before replacing the committed head.
-finetune-smollm2-6000: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 6000 --batch-size 64 --max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 store --output data/store_regen6000 --source $(REGEN) --target-layer-ids 1,7,14,20,27 \
-		--max-tokens 1500000
-	$(VENV)/bin/hf-dflash2 train --store data/store_regen6000 --init-from runs/finetune_regen \
-		--output runs/finetune_regen6000 --steps 3000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
-		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
-		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 \
-		--checkpoint-every 100 --log-every 50 --resume
-	$(PY) -m hf_dflash2.training.export runs/finetune_regen6000 runs/finetune_regen6000/export
-	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_regen6000/export --prompts 16 --tokens 64
+finetune-smollm2-6000:
+	$(MAKE) finetune-smollm2 FT_PROMPTS=6000 FT_STORE=data/store_regen6000 FT_STORE_TOKENS=1500000 \
+		FT_FROM=runs/finetune_regen FT_RUN=runs/finetune_regen6000 FT_STEPS=3000
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup

@@ -10,7 +10,6 @@ memorises, so more data, not more steps, is what pays next.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -18,6 +17,7 @@ import torch
 
 def accuracy(target, drafter, records) -> tuple[list[float], int]:
     from hf_dflash2.speculative_dflash2 import tapped_features
+    from hf_dflash2.training.trainer import sequence_blocks
 
     cfg = drafter.config
     hits, count = torch.zeros(cfg.block_size - 1), 0
@@ -33,8 +33,7 @@ def accuracy(target, drafter, records) -> tuple[list[float], int]:
         positions = torch.arange(length)[None]
         mask = drafter.block_attention_mask(torch.ones_like(positions, dtype=torch.bool), positions, anchors[None],
                                             cfg.block_size)
-        block = torch.full((len(anchors), cfg.block_size), cfg.mask_token_id)
-        block[:, 0] = ids[0, anchors]
+        block, _, _ = sequence_blocks(ids[0], cfg.block_size, anchors, cfg.mask_token_id)
         block_positions = (anchors[:, None] + torch.arange(cfg.block_size)).flatten()[None]
         hidden = drafter(drafter.embed(block)[None], block_positions, mask, context_features=features,
                          context_positions=positions)[0, :, 1:]
@@ -63,13 +62,14 @@ def main() -> int:
         ranges[name] = (start, end)
     from hf_dflash2 import DFlash2DraftModel
     from hf_dflash2.assets import load_target
+    from hf_dflash2.training.regenerate import read_regenerated
 
-    lines = open(args.records).read().splitlines()
+    records = read_regenerated(args.records)
     target, _ = load_target(dtype=torch.float32)
     drafter = DFlash2DraftModel.from_pretrained(args.head, dtype=torch.float32).eval()
     drafter.bind_target(target)
     for name, (start, end) in ranges.items():
-        per_position, anchors = accuracy(target, drafter, [json.loads(line) for line in lines[start:end]])
+        per_position, anchors = accuracy(target, drafter, records[start:end])
         print(f"{name} records {start}:{end}: {anchors} anchors, unary top-1 accuracy by position {per_position}")
     return 0
 
