@@ -41,6 +41,8 @@ def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int)
         results[head_dir] = {
             name: {
                 "tau": round(s.acceptance_length, 3),
+                "rounds": s.rounds,
+                "committed": s.committed,
                 "per_position": [round(x, 3) for x in s.per_position_acceptance[:6]],
             }
             for name, s in by_set.items()

@@ -76,9 +76,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run", type=Path)
     parser.add_argument("--compare", type=Path, nargs="*", default=[], help="other runs drawn on the same axes")
-    parser.add_argument("--continued-by", type=Path, default=None,
-                        help="a run started from this one's last checkpoint (--init-from): drawn after it, offset "
-                        "by this run's block positions and minutes")
+    parser.add_argument("--continued-by", type=Path, nargs="*", default=[],
+                        help="runs each started from the previous one's last checkpoint (--init-from), in order: "
+                        "drawn one after the other, offset by the block positions and minutes before them")
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args()
     history = load_history(args.run)
@@ -86,15 +86,20 @@ def main() -> int:
     if not points:
         raise SystemExit(f"{args.run}: no evaluation points yet (train with --eval-every)")
     extra = {str(run): curve(load_history(run)) for run in args.compare}
-    if args.continued_by:
-        base_positions = history[-1].get("block_positions", 0)
-        base_minutes = history[-1].get("train_seconds", 0.0) / 60
+    last_points, last_history, base_positions, base_minutes = points, history, 0, 0.0
+    for run in args.continued_by:
+        base_positions += last_history[-1].get("block_positions", 0)
+        base_minutes += last_history[-1].get("train_seconds", 0.0) / 60
+        run_history = load_history(run)
         continued = [
             dict(p, block_positions=p["block_positions"] + base_positions,
                  train_minutes=round(p["train_minutes"] + base_minutes, 1))
-            for p in curve(load_history(args.continued_by))
+            for p in curve(run_history)
         ]
-        extra[f"{args.continued_by} (from step {history[-1]['step']})"] = [points[-1], *continued]
+        if not continued:
+            raise SystemExit(f"{run}: no evaluation points yet (train with --eval-every)")
+        extra[f"{run} (from step {last_history[-1]['step']})"] = [last_points[-1], *continued]
+        last_points, last_history = continued, run_history
     args.output.mkdir(parents=True, exist_ok=True)
     report = {
         "command": " ".join(["python", "benchmarks/tau_curve.py"] + sys.argv[1:]),
