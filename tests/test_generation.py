@@ -321,3 +321,42 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(tmp_path, dflas
     assert torch.equal(loaded.draft_vocab, allowed)
     with pytest.raises(ValueError, match="draft vocabulary ids must lie in"):
         drafter.set_draft_vocab([3, 64])
+
+
+def test_draft_context_projects_lazily_and_equals_eager_projection(setup):
+    """Appends are projected when ``kv`` is read; after appends, crops and a row selection the K/V must
+    equal projecting the surviving slots at once, and cropped slots are never projected."""
+    from hf_dflash2.speculative_dflash2 import DraftContext
+
+    target, drafter = setup
+    torch.manual_seed(0)
+    width = drafter.config.hidden_size * len(drafter.config.target_layer_ids)
+    rows, calls = 3, []
+    project = drafter.project_context
+    drafter.project_context = lambda f: calls.append(f.shape[1]) or project(f)
+    try:
+        context = DraftContext(drafter, rows, capacity=4, device="cpu")  # small: forces buffer growth
+        kept_features, kept_positions = [], []
+        for step, (n, drop) in enumerate([(5, 0), (1, 0), (3, 2), (1, 0), (4, 3)]):
+            features = torch.randn(rows, n, width)
+            positions = torch.arange(n).expand(rows, n) + 10 * step
+            context.append(features, positions)
+            if step == 1:
+                context.kv  # a read projects what is pending, once
+            context.crop(drop)
+            kept_features.append(features[:, : n - drop])
+            kept_positions.append(positions[:, : n - drop])
+        keep = torch.tensor([2, 0])
+        context.select(keep)
+        lazy = context.kv
+        assert calls == [6, 1 + 1 + 1]  # the prompt + step 1 together; cropped slots were never projected
+    finally:
+        drafter.project_context = project
+    features = torch.cat(kept_features, dim=1)[keep]
+    positions = torch.cat(kept_positions, dim=1)[keep]
+    eager = drafter.context_kv(drafter.project_context(features), positions)
+    assert context.length == features.shape[1] == 9
+    assert torch.equal(context.positions, positions)
+    for (k_lazy, v_lazy), (k_eager, v_eager) in zip(lazy, eager):
+        torch.testing.assert_close(k_lazy, k_eager)
+        torch.testing.assert_close(v_lazy, v_eager)
