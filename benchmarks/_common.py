@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# Plain greedy for Transformers' generate, overriding sampling defaults a generation_config may carry.
+GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
 def machine() -> dict:

@@ -23,14 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, save, table  # noqa: E402
+from _common import GREEDY, RESULTS, save, table  # noqa: E402
 
 from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
-
-GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
 def timed(fn):

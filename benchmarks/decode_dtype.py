@@ -5,7 +5,7 @@
 ``precision auto`` decides with a training-shaped matmul (512 x 1536 x 512), the right question for
 ``store``, ``regenerate`` and ``train``. Batch-1 decoding multiplies one row at a time, where a CPU's bf16
 kernels can be slower than fp32 even with AMX. This prints both: Transformers' plain greedy ``generate``
-(SmolLM2-135M, one MT-Bench prompt, interleaved fp32 / bf16 repeats after one warm-up each) and
+(SmolLM2-135M, one MT-Bench prompt, medians of interleaved fp32 / bf16 repeats after one warm-up each) and
 ``F.linear`` at M = 1, 16 and 512 rows with the target's own shapes. Writes
 ``benchmarks/results/decode_dtype.json``.
 """
@@ -13,7 +13,6 @@ kernels can be slower than fp32 even with AMX. This prints both: Transformers' p
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import save  # noqa: E402
+from _common import GREEDY, interleaved, save  # noqa: E402
 
 from hf_dflash2.assets import load_mtbench_prompts, load_target  # noqa: E402
 from hf_dflash2.precision import time_matmul_speedup  # noqa: E402
@@ -50,22 +49,17 @@ def main() -> int:
     models = {"fp32": load_target(dtype=torch.float32), "bf16": load_target(dtype=torch.bfloat16)}
     tokenizer = models["fp32"][1]
     ids = encode_prompt(tokenizer, load_mtbench_prompts()[0], "cpu")
-    greedy = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
-    tok_s = {name: [] for name in models}
-    for repeat in range(args.repeats + 1):
-        for name, (model, _) in models.items():
-            started = time.perf_counter()
-            model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **greedy)
-            if repeat:  # the first pass warms kernels up
-                tok_s[name].append(args.new_tokens / (time.perf_counter() - started))
+    greedy = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **GREEDY)
+    calls = {name: (lambda model=model: model.generate(ids, **greedy)) for name, (model, _) in models.items()}
+    seconds = interleaved(calls, args.repeats)
     config = models["fp32"][0].config
     h, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     shapes = {f"M={m} {name}": linear_speedup(m, i, o) for m in (1, 16, 512)
               for name, (i, o) in {"mlp_up": (h, inner), "lm_head": (h, vocab)}.items()}
     report = {
         "command": " ".join(["python", "benchmarks/decode_dtype.py"] + sys.argv[1:]),
-        "greedy_tok_s": {k: [round(x, 2) for x in v] for k, v in tok_s.items()},
-        "greedy_bf16_over_fp32": statistics.median(tok_s["bf16"]) / statistics.median(tok_s["fp32"]),
+        "greedy_tok_s": {name: round(args.new_tokens / s, 2) for name, s in seconds.items()},
+        "greedy_bf16_over_fp32": seconds["fp32"] / seconds["bf16"],
         "precision_probe_fp32_over_bf16": time_matmul_speedup(),
         "linear_fp32_over_bf16": shapes,
     }

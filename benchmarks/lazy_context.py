@@ -5,23 +5,25 @@
 ``DraftContext.append`` defers the drafter's context projection until ``kv`` is read (``lazy``);
 ``eager`` reads ``kv`` after every append, which is what the loop did before. Batch 1, 2 MT-Bench and
 2 HumanEval prompts x 64 tokens, adaptive fast loop, plain greedy alongside; fresh and committed head;
-interleaved repeats after one warm-up. Prints greedy / lazy, greedy / eager and eager / lazy time ratios.
+per prompt the median of interleaved repeats after one warm-up (``_common.interleaved``), summed over the
+prompts. Prints greedy / lazy, greedy / eager and eager / lazy time ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-from hf_dflash2 import DFlash2DraftModel, speculative_generate
-from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target
-from hf_dflash2.prompts import default_head, encode_prompt, load_head
-from hf_dflash2.speculative_dflash2 import DraftContext
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GREEDY, interleaved  # noqa: E402
 
-GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
+from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
+from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
+from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
+from hf_dflash2.speculative_dflash2 import DraftContext  # noqa: E402
 
 
 def main() -> int:
@@ -43,20 +45,22 @@ def main() -> int:
              "committed": load_head(default_head("smollm2-135m-dflash2"), target).to(dtype).bind_target(target)}
     texts = load_mtbench_prompts()[:2] + load_humaneval_prompts()[:2]
     prompts = [encode_prompt(tokenizer, text, "cpu") for text in texts]
+
+    def run(head, ids, append):
+        def call():
+            DraftContext.append = append
+            speculative_generate(target, head, ids, max_new_tokens=64)
+        return call
+
     try:
         for name, head in heads.items():
             seconds = {"greedy": 0.0, "lazy": 0.0, "eager": 0.0}
             for ids in prompts:
-                for repeat in range(args.repeats + 1):
-                    for method in seconds:
-                        DraftContext.append = eager_append if method == "eager" else lazy_append
-                        started = time.perf_counter()
-                        if method == "greedy":
-                            target.generate(ids, max_new_tokens=64, **GREEDY)
-                        else:
-                            speculative_generate(target, head, ids, max_new_tokens=64)
-                        if repeat:  # the first pass warms up
-                            seconds[method] += time.perf_counter() - started
+                medians = interleaved({"greedy": lambda: target.generate(ids, max_new_tokens=64, **GREEDY),
+                                       "lazy": run(head, ids, lazy_append), "eager": run(head, ids, eager_append)},
+                                      args.repeats)
+                for method, median in medians.items():
+                    seconds[method] += median
             print(f"{name} {args.dtype}: greedy/lazy {seconds['greedy'] / seconds['lazy']:.3f}  "
                   f"greedy/eager {seconds['greedy'] / seconds['eager']:.3f}  "
                   f"eager/lazy {seconds['eager'] / seconds['lazy']:.3f}", flush=True)

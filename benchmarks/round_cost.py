@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import interleaved, save, table  # noqa: E402
+from _common import GREEDY, interleaved, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_target  # noqa: E402
@@ -26,7 +26,6 @@ from hf_dflash2.prompts import encode_prompt as encode  # noqa: E402
 from hf_dflash2.prompts import left_pad  # noqa: E402
 from hf_dflash2.training.trainer import new_drafter_for  # noqa: E402
 
-GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 # Fixed-block rounds (every round verifies the whole block): benchmarks/adaptive.py measures adaptive ones.
 FIXED = dict(adaptive=False)
 
