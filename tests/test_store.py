@@ -185,6 +185,54 @@ def test_precision_probe_cache_is_used_and_a_bad_file_is_ignored(monkeypatch, tm
     assert json.loads((tmp_path / "precision.json").read_text())  # rewritten whole
 
 
+def test_decode_precision_has_its_own_probe_and_cache_entry(monkeypatch, tmp_path):
+    """A CPU whose bf16 is fast for training-sized products but slow for one-row decode steps (session 6's)
+    trains in bf16 and decodes in fp32; each verdict is cached under its own key."""
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)
+    calls = []
+    monkeypatch.setattr(precision, "time_matmul_speedup", lambda: calls.append("train") or 3.0)
+    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: calls.append("decode") or [0.63, 2.3])
+    assert precision.resolve_precision("auto", "cpu") == "bf16"
+    assert precision.resolve_precision("auto", "cpu", workload="decode") == "no"
+    assert precision.resolve_dtype("auto", "cpu", workload="decode") == torch.float32
+    assert calls == ["train", "decode"], "the second decode verdict must come from the cache"
+    entries = json.loads((tmp_path / "precision.json").read_text())
+    assert sorted(v["speedup"] for v in entries.values()) == [0.63, 3.0]  # decode keeps its worst row count
+    # bf16 faster at both row counts: decode picks bf16 (a fresh cache).
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "other"))
+    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: [1.4, 2.3])
+    assert precision.resolve_precision("auto", "cpu", workload="decode") == "bf16"
+    with pytest.raises(ValueError, match="'serve'"):
+        precision.resolve_precision("auto", "cpu", workload="serve")
+
+
+def test_demo_and_bench_load_the_target_in_the_decode_verdicts_dtype(monkeypatch, tmp_path):
+    """``auto`` for decoding probes with the loaded target's own shapes, then casts (or not)."""
+    import hf_dflash2.assets
+
+    from .conftest import tiny_target
+
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", lambda *a, dtype=None: (tiny_target().to(dtype), None))
+    seen = []
+    verdicts = iter([[0.63, 2.3], [1.4, 2.3]])
+    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: seen.append(config) or next(verdicts))
+    target, _ = precision.load_target_for_decoding("auto")
+    assert target.dtype == torch.float32
+    assert precision.decoder_matrices(seen[0])[(64, 96)] == 1  # the tiny target's LM head, not SmolLM2's
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "other"))
+    assert precision.load_target_for_decoding("auto")[0].dtype == torch.bfloat16
+    assert precision.load_target_for_decoding("fp32")[0].dtype == torch.float32 and len(seen) == 2
+
+
+def test_decode_probe_times_both_row_counts():
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 100}
+    speedups = precision.time_decode_speedups(type("Config", (), tiny)(), repeats=1)
+    assert len(speedups) == len(precision.DECODE_ROWS) and all(s > 0 for s in speedups)
+
+
 @pytest.fixture
 def fresh_accelerator_state():
     """accelerate keeps one process-wide state: the other tests' fp32 trainers and this bf16 one must not meet."""

@@ -155,7 +155,7 @@ class Runner:
 
 
 def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
-    from .assets import load_prompt_set, load_target
+    from .assets import load_prompt_set
     from .prompts import parse_chat_template
 
     torch.manual_seed(args.seed)
@@ -167,9 +167,9 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         if folder and Path(folder).exists():
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
-    from .precision import resolve_dtype
+    from .precision import load_target_for_decoding
 
-    target, tokenizer = load_target(args.target, args.gguf_file, dtype=resolve_dtype(args.mixed_precision))
+    target, tokenizer = load_target_for_decoding(args.mixed_precision, args.target, args.gguf_file)
     apply_chat_template_option(tokenizer, args.chat_template)
     for folder in heads_paths.values():
         check_head_matches_target(folder, target)
@@ -335,11 +335,10 @@ def cmd_bench(args) -> int:
 
 def print_cost_profile(settings: BenchSettings) -> int:
     """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with."""
-    from .assets import load_target
     from .cost_model_dflash2 import load_or_measure_cost_model
-    from .precision import resolve_dtype
+    from .precision import load_target_for_decoding
 
-    target, _ = load_target(settings.target, settings.gguf_file, dtype=resolve_dtype(settings.mixed_precision))
+    target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file)
     head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
     model = load_or_measure_cost_model(target, head, settings.batch_size)
     print(f"cost model ({model.key['device']}, {model.key['dtype']}, batch {settings.batch_size}):\n{model.table()}")

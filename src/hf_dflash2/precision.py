@@ -4,6 +4,14 @@ The CPUs this project runs on differ from session to session: with AMX or AVX-51
 2-5x faster than fp32, with AVX2 only it is ~300x *slower*. So ``auto`` never guesses from the torch
 build: on CUDA it asks the device, on CPU it times one small product in both dtypes (well under a
 second) and caches the verdict per CPU model and torch version, so later runs decide instantly.
+
+Two workloads, two probes. Training, feature stores and regeneration multiply hundreds of rows at once
+(``workload="train"``: a square product). Decoding at batch 1 multiplies one row by each weight matrix
+(and a verify a few rows): that is bound by reading the weights, and on some CPUs with fast bf16 *compute*
+the one-row bf16 product is slower than fp32 (measured 0.63x in session 6, ``benchmarks/decode_dtype.py``).
+So ``workload="decode"`` (demo, bench) times a linear layer at 1 and 8 rows and picks bf16 only when it is
+faster at both: the plain step and the verify, so neither side of a speculative-vs-greedy ratio is the
+one left slow.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ logger = logging.getLogger(__name__)
 PRECISION_CHOICES = ("auto", "bf16", "fp32", "no", "fp16")
 # What `auto` demands of bf16 before choosing it: a clear win, not a tie within timer noise.
 BF16_MIN_SPEEDUP = 1.2
+WORKLOADS = ("train", "decode")
 
 
 def _cache_path() -> Path:
@@ -57,11 +66,66 @@ def time_matmul_speedup(size: int = 512, repeats: int = 5) -> float:
     return timings[torch.float32] / max(timings[torch.bfloat16], 1e-9)
 
 
-def cpu_bf16_is_fast(use_cache: bool = True) -> bool:
-    """Whether bf16 matmuls beat fp32 clearly on this CPU (cached per CPU model and torch version)."""
+DECODE_ROWS = (1, 8)  # the plain step, and a verify of a few drafts
+# SmolLM2-135M-Instruct, the product's reference target: used when the caller has no config at hand.
+DEFAULT_DECODER = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152}
+
+
+def decoder_matrices(config=None) -> dict[tuple[int, int], int]:
+    """{(in, out): count} of the weight matrices one decoder step reads: per layer the MLP's gate, up and
+    down projections and the attention's query and output projections (keys and values are smaller under
+    grouped-query attention and left out), then the LM head once."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    dims = {name: getattr(text, name, None) or DEFAULT_DECODER[name] for name in DEFAULT_DECODER} if text else \
+        dict(DEFAULT_DECODER)
+    hidden, inner, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
+    matrices: dict[tuple[int, int], int] = {}
+    for shape, count in (((hidden, inner), 2 * layers), ((inner, hidden), layers), ((hidden, hidden), 2 * layers),
+                         ((hidden, dims["vocab_size"]), 1)):
+        matrices[shape] = matrices.get(shape, 0) + count
+    return matrices
+
+
+def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repeats: int = 5) -> list[float]:
+    """fp32 time / bf16 time of one decoder step's weight reads (``decoder_matrices(config)``, each matrix
+    timed with ``F.linear`` and weighted by its count) at each number of ``rows``: medians of ``repeats``,
+    the dtypes interleaved so drift hits both alike."""
+    matrices = decoder_matrices(config)
+    speedups = []
+    for n in rows:
+        total = {torch.float32: 0.0, torch.bfloat16: 0.0}
+        for (fan_in, fan_out), count in matrices.items():
+            weights = {dtype: torch.randn(fan_out, fan_in).to(dtype) for dtype in total}
+            inputs = {dtype: torch.randn(n, fan_in).to(dtype) for dtype in total}
+            samples = {dtype: [] for dtype in total}
+            for repeat in range(repeats + 1):  # the first pass picks kernels and is not counted
+                for dtype in total:
+                    start = time.perf_counter()
+                    torch.nn.functional.linear(inputs[dtype], weights[dtype])
+                    if repeat:
+                        samples[dtype].append(time.perf_counter() - start)
+            for dtype in total:
+                total[dtype] += count * sorted(samples[dtype])[repeats // 2]
+        speedups.append(total[torch.float32] / max(total[torch.bfloat16], 1e-9))
+    return speedups
+
+
+def _probe(workload: str, config=None) -> float:
+    """The workload's bf16 speedup: train -> the square product's; decode -> the worst over ``DECODE_ROWS``."""
+    return time_matmul_speedup() if workload == "train" else min(time_decode_speedups(config))
+
+
+def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=None) -> bool:
+    """Whether bf16 beats fp32 clearly on this CPU for ``workload`` ("train" or "decode", the latter for
+    the decoder ``config`` describes), cached per CPU model, torch version, thread count, workload and
+    decoder shape."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     if _cpu_has_bf16_flags() is False:
         return False  # AVX2 only: bf16 is emulated; timing it would itself take seconds
     key = f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+    if workload != "train":  # the training key predates workloads: cached verdicts stay valid
+        key += f" | {workload} {sorted(decoder_matrices(config).items())}"
     path = _cache_path()
     cache = {}
     if use_cache and path.exists():
@@ -75,7 +139,7 @@ def cpu_bf16_is_fast(use_cache: bool = True) -> bool:
         entry = cache.get(key)
         if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)):
             return entry["speedup"] >= BF16_MIN_SPEEDUP
-    speedup = time_matmul_speedup()
+    speedup = _probe(workload, config)
     if use_cache:
         cache[key] = {"speedup": round(speedup, 3)}
         try:
@@ -88,34 +152,53 @@ def cpu_bf16_is_fast(use_cache: bool = True) -> bool:
     return speedup >= BF16_MIN_SPEEDUP
 
 
-def bf16_is_fast(device: torch.device | str | None = None) -> bool:
+def bf16_is_fast(device: torch.device | str | None = None, workload: str = "train", config=None) -> bool:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return cpu_bf16_is_fast()
+        return cpu_bf16_is_fast(workload=workload, config=config)
     return False
 
 
-def resolve_precision(choice: str, device: torch.device | str | None = None, probe=None) -> str:
+def resolve_precision(choice: str, device: torch.device | str | None = None, probe=None,
+                      workload: str = "train", config=None) -> str:
     """``auto`` -> ``"bf16"`` or ``"no"`` (accelerate's name for fp32); other names pass through.
 
+    ``workload``: "train" (stores, regeneration, training) or "decode" (batch-1 generation: demo, bench),
+    the latter probed with the shapes of the decoder ``config`` describes (SmolLM2-135M's when None).
     ``probe`` (a callable returning bool) replaces the speed test, for tests and for callers that know.
     """
     if choice not in PRECISION_CHOICES:
         raise ValueError(f"mixed precision must be one of {PRECISION_CHOICES}, got {choice!r}")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     if choice == "fp32":
         return "no"
     if choice != "auto":
         return choice
-    fast = probe() if probe is not None else bf16_is_fast(device)
+    fast = probe() if probe is not None else bf16_is_fast(device, workload, config)
     chosen = "bf16" if fast else "no"
-    logger.info("precision auto: bf16 matmul is %s here -> %s", "fast" if fast else "slow", "bf16" if fast else "fp32")
+    logger.info("precision auto (%s): bf16 is %s here -> %s", workload, "fast" if fast else "slow",
+                "bf16" if fast else "fp32")
     return chosen
 
 
-def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=None) -> torch.dtype:
+def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=None,
+                  workload: str = "train", config=None) -> torch.dtype:
     """The torch dtype to load a model in for ``choice`` (``auto`` measures, see ``resolve_precision``)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[
-        resolve_precision(choice, device, probe)
+        resolve_precision(choice, device, probe, workload, config)
     ]
+
+
+def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None):
+    """Demo and bench: the target (and tokenizer) in the dtype ``choice`` resolves to for batch-1 decoding.
+    ``auto`` loads in fp32, probes with the loaded model's own shapes, and casts to bf16 if that wins."""
+    from .assets import load_target
+
+    if choice != "auto":
+        return load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
+    target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
+    dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config)
+    return target.to(dtype), tokenizer
