@@ -2,11 +2,12 @@
 
     python benchmarks/decode_dtype.py [--new-tokens 64] [--repeats 4]
 
-``precision auto`` decides with a training-shaped matmul (512 x 1536 x 512), the right question for
+``precision auto`` decides training with a training-shaped matmul (512 x 1536 x 512), the right question for
 ``store``, ``regenerate`` and ``train``. Batch-1 decoding multiplies one row at a time, where a CPU's bf16
-kernels can be slower than fp32 even with AMX. This prints both: Transformers' plain greedy ``generate``
-(SmolLM2-135M, one MT-Bench prompt, medians of interleaved fp32 / bf16 repeats after one warm-up each) and
-``F.linear`` at M = 1, 16 and 512 rows with the target's own shapes. Writes
+kernels can be slower than fp32 even with AMX; so demo and bench ask a decode probe (one decoder step's
+weight reads at 1 and 8 rows, ``precision.time_decode_speedups``). This prints all three: Transformers'
+plain greedy ``generate`` (SmolLM2-135M, one MT-Bench prompt, medians of interleaved fp32 / bf16 repeats
+after one warm-up each), the probes, and ``F.linear`` at M = 1, 16 and 512 rows with the target's own shapes. Writes
 ``benchmarks/results/decode_dtype.json``.
 """
 
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GREEDY, interleaved, save  # noqa: E402
 
 from hf_dflash2.assets import load_mtbench_prompts, load_target  # noqa: E402
-from hf_dflash2.precision import time_matmul_speedup  # noqa: E402
+from hf_dflash2.precision import DECODE_ROWS, time_decode_speedups, time_matmul_speedup  # noqa: E402
 from hf_dflash2.prompts import encode_prompt  # noqa: E402
 
 
@@ -61,6 +62,8 @@ def main() -> int:
         "greedy_tok_s": {name: round(args.new_tokens / s, 2) for name, s in seconds.items()},
         "greedy_bf16_over_fp32": seconds["fp32"] / seconds["bf16"],
         "precision_probe_fp32_over_bf16": time_matmul_speedup(),
+        # What `precision auto` now asks for demo and bench: one decoder step's weight reads at 1 and 8 rows.
+        "decode_probe_fp32_over_bf16": dict(zip((f"M={m}" for m in DECODE_ROWS), time_decode_speedups(config))),
         "linear_fp32_over_bf16": shapes,
     }
     for key, value in report.items():
