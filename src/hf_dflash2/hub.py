@@ -218,6 +218,7 @@ def card_results(report: dict, method: str) -> dict:
         "datasets": datasets,
         "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
         "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
+        **({"dtype": report["machine"]["dtype"]} if "dtype" in report["machine"] else {}),
         "temperature": settings["temperature"],
         "max_new_tokens": settings["max_new_tokens"],
         "command": report["command"],

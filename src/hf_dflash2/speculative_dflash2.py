@@ -107,19 +107,13 @@ class DraftContext:
     another stays as a masked hole (``valid`` False). Buffers are preallocated for ``capacity`` slots
     (doubled only if a call outgrows them), so a round writes in place instead of concatenating.
 
-    Appended features are projected lazily, when ``kv`` is next read: a run of plain AR steps (the
-    adaptive policy's answer to a weak draft) then costs one projection of all its tokens at the next
-    draft, or none if no draft comes, instead of one single-token projection per step. Projection is
-    per token, so the result is the same as projecting at once.
-
     kv: per drafter layer (k, v) [N, kv_heads, T, head_dim]; valid: [N, T] bool; positions: [N, T] long.
     """
 
     def __init__(self, drafter, n_rows: int, capacity: int, device: torch.device | str):
         self.drafter = drafter
         self.length = 0
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first projection
-        self._pending: list[tuple[int, torch.Tensor]] = []  # (first slot, features [N, L, taps * H]) not projected
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first append
         self._valid = torch.zeros(n_rows, capacity, dtype=torch.bool, device=device)
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long, device=device)
 
@@ -129,23 +123,7 @@ class DraftContext:
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self._project_pending()
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
-
-    def _project_pending(self) -> None:
-        if not self._pending:
-            return
-        start = self._pending[0][0]
-        features = torch.cat([f for _, f in self._pending], dim=1) if len(self._pending) > 1 else self._pending[0][1]
-        self._pending = []
-        end = start + features.shape[1]
-        new_kv = self.drafter.context_kv(self.drafter.project_context(features), self._positions[:, start:end])
-        if self._kv is None:
-            self._kv = [(k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]),
-                         v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])) for k, v in new_kv]
-        for (k_buffer, v_buffer), (k, v) in zip(self._kv, new_kv):
-            k_buffer[:, :, start:end] = k
-            v_buffer[:, :, start:end] = v
 
     @property
     def valid(self) -> torch.Tensor:
@@ -182,9 +160,15 @@ class DraftContext:
 
     def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """features: [N, L, taps * H] tapped target features; positions: [N, L]; valid: [N, L] bool (None: all)."""
+        new_kv = self.drafter.context_kv(self.drafter.project_context(features), positions)
         start, end = self.length, self.length + features.shape[1]
         self._reserve(end)
-        self._pending.append((start, features))
+        if self._kv is None:
+            self._kv = [(k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]),
+                         v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])) for k, v in new_kv]
+        for (k_buffer, v_buffer), (k, v) in zip(self._kv, new_kv):
+            k_buffer[:, :, start:end] = k
+            v_buffer[:, :, start:end] = v
         self._valid[:, start:end] = True if valid is None else valid
         self._positions[:, start:end] = positions
         self.length = end
@@ -192,12 +176,10 @@ class DraftContext:
     def crop(self, drop: int) -> None:
         """Forget the last ``drop`` slots (as ``DynamicCache.crop(-drop)`` does for the target)."""
         self.length -= drop
-        self._pending = [(start, f[:, : self.length - start]) for start, f in self._pending if start < self.length]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows ([n] indices), e.g. once other rows have finished."""
         self._valid, self._positions = self._valid[rows], self._positions[rows]
-        self._pending = [(start, f[rows]) for start, f in self._pending]
         if self._kv is not None:
             self._kv = [(k[rows], v[rows]) for k, v in self._kv]
 
