@@ -21,13 +21,16 @@ def machine() -> dict:
 
 
 def interleaved(candidates: dict, repeats: int, warmup: int = 1) -> dict:
-    """Median seconds of each callable, timed round-robin so drift hits all of them alike."""
+    """Median seconds of each callable, timed round-robin so drift hits all of them alike; the order is
+    rotated every repeat, so that no callable always runs right after the same other one."""
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
     times = {name: [] for name in candidates}
-    for _ in range(repeats):
-        for name, fn in candidates.items():
+    names = list(candidates)
+    for repeat in range(repeats):
+        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+            fn = candidates[name]
             started = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - started)

@@ -58,13 +58,14 @@ def batch1(target, heads, prompts, n, repeats):
             if i == 0:
                 for fn in calls.values():  # warm-up, once per head
                     fn()
-            for _ in range(repeats):
-                for method, fn in calls.items():
-                    out, seconds = timed(fn)
+            reference = calls["greedy"]()[0, ids.shape[1]:]  # untimed: the identity check's reference
+            methods = list(calls)
+            for repeat in range(repeats):  # the order rotates per repeat and prompt: no fixed neighbour
+                shift = (repeat + i) % len(methods)
+                for method in methods[shift:] + methods[:shift]:
+                    out, seconds = timed(calls[method])
                     runs[method].append(seconds)
-                    if method == "greedy":
-                        reference = out[0, ids.shape[1]:]
-                    elif method == "adaptive":
+                    if method == "adaptive":
                         same.append(identity(out.sequences[0, ids.shape[1]:], reference))
                         taus.append(out.stats.acceptance_length)
                         h = out.stats.verify_length_histogram

@@ -49,3 +49,14 @@ def test_dflash1_head_maps_into_the_native_transformers_path():
     assert torch.equal(out, expected)
     with pytest.raises(ValueError, match="only DFlash-1 heads map"):
         to_native_dflash(tiny_drafter(target, dflash2=True))
+
+
+def test_bench_rotates_the_method_order_per_prompt():
+    from hf_dflash2.bench import rotated
+
+    methods = ["ar", "dflash2_generate", "dflash2_fast"]
+    orders = [rotated(methods, i) for i in range(4)]
+    assert orders[0] == methods and orders[3] == methods
+    assert [order[0] for order in orders[:3]] == methods  # each method leads once per cycle
+    assert all(sorted(order) == sorted(methods) for order in orders)
+    assert rotated([], 5) == []

@@ -196,10 +196,12 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     progress = tqdm(total=total, desc="bench", unit="run")
     for name, prompts in datasets.items():
         per_method = {m: {"tokens": [], "seconds": []} for m in active}
-        for start in range(0, len(prompts), args.batch_size):
+        for batch_index, start in enumerate(range(0, len(prompts), args.batch_size)):
             rows = [encode_prompt(tokenizer, p, target.device) for p in prompts[start : start + args.batch_size]]
             ids, mask = left_pad(rows, tokenizer.pad_token_id)
-            for method in active:  # interleaved: every method on this prompt before the next prompt
+            # Interleaved: every method on this prompt before the next prompt, the order rotated per prompt
+            # so that no method always runs right after the same other one.
+            for method in rotated(active, batch_index):
                 generated, seconds, stats = runner.run(method, ids, mask)
                 per_method[method]["tokens"].append(generated)
                 per_method[method]["seconds"].append(seconds)
@@ -209,6 +211,12 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         report["datasets"][name] = summarize(per_method)
     progress.close()
     return report
+
+
+def rotated(items: list, shift: int) -> list:
+    """``items`` started at index ``shift`` (mod its length), wrapping around."""
+    shift = shift % len(items) if items else 0
+    return items[shift:] + items[:shift]
 
 
 def warm_up(runner: Runner, methods: list[str], datasets: dict, tokenizer, target, batch_size: int) -> None:
