@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from hf_dflash2.bench import rotated
+
 RESULTS = Path(__file__).resolve().parent / "results"
 # Plain greedy for Transformers' generate, overriding sampling defaults a generation_config may carry.
 GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
@@ -27,9 +29,8 @@ def interleaved(candidates: dict, repeats: int, warmup: int = 1) -> dict:
         for _ in range(warmup):
             fn()
     times = {name: [] for name in candidates}
-    names = list(candidates)
     for repeat in range(repeats):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in rotated(list(candidates), repeat):
             fn = candidates[name]
             started = time.perf_counter()
             fn()

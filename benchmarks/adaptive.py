@@ -28,6 +28,7 @@ from _common import GREEDY, RESULTS, save, table  # noqa: E402
 
 from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
+from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
 
@@ -59,10 +60,8 @@ def batch1(target, heads, prompts, n, repeats):
                 for fn in calls.values():  # warm-up, once per head
                     fn()
             reference = calls["greedy"]()[0, ids.shape[1]:]  # untimed: the identity check's reference
-            methods = list(calls)
             for repeat in range(repeats):  # the order rotates per repeat and prompt: no fixed neighbour
-                shift = (repeat + i) % len(methods)
-                for method in methods[shift:] + methods[:shift]:
+                for method in rotated(list(calls), repeat + i):
                     out, seconds = timed(calls[method])
                     runs[method].append(seconds)
                     if method == "adaptive":

@@ -76,8 +76,7 @@ def decoder_matrices(config=None) -> dict[tuple[int, int], int]:
     down projections and the attention's query and output projections (keys and values are smaller under
     grouped-query attention and left out), then the LM head once."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    dims = {name: getattr(text, name, None) or DEFAULT_DECODER[name] for name in DEFAULT_DECODER} if text else \
-        dict(DEFAULT_DECODER)
+    dims = {name: getattr(text, name, None) or DEFAULT_DECODER[name] for name in DEFAULT_DECODER}
     hidden, inner, layers = dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"]
     matrices: dict[tuple[int, int], int] = {}
     for shape, count in (((hidden, inner), 2 * layers), ((inner, hidden), layers), ((hidden, hidden), 2 * layers),
@@ -90,24 +89,22 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
     """fp32 time / bf16 time of one decoder step's weight reads (``decoder_matrices(config)``, each matrix
     timed with ``F.linear`` and weighted by its count) at each number of ``rows``: medians of ``repeats``,
     the dtypes interleaved so drift hits both alike."""
-    matrices = decoder_matrices(config)
-    speedups = []
-    for n in rows:
-        total = {torch.float32: 0.0, torch.bfloat16: 0.0}
-        for (fan_in, fan_out), count in matrices.items():
-            weights = {dtype: torch.randn(fan_out, fan_in).to(dtype) for dtype in total}
-            inputs = {dtype: torch.randn(n, fan_in).to(dtype) for dtype in total}
-            samples = {dtype: [] for dtype in total}
+    dtypes = (torch.float32, torch.bfloat16)
+    totals = {(n, dtype): 0.0 for n in rows for dtype in dtypes}
+    for (fan_in, fan_out), count in decoder_matrices(config).items():
+        weights = {dtype: torch.randn(fan_out, fan_in).to(dtype) for dtype in dtypes}  # once per shape
+        for n in rows:
+            inputs = {dtype: torch.randn(n, fan_in).to(dtype) for dtype in dtypes}
+            samples = {dtype: [] for dtype in dtypes}
             for repeat in range(repeats + 1):  # the first pass picks kernels and is not counted
-                for dtype in total:
+                for dtype in dtypes:
                     start = time.perf_counter()
                     torch.nn.functional.linear(inputs[dtype], weights[dtype])
                     if repeat:
                         samples[dtype].append(time.perf_counter() - start)
-            for dtype in total:
-                total[dtype] += count * sorted(samples[dtype])[repeats // 2]
-        speedups.append(total[torch.float32] / max(total[torch.bfloat16], 1e-9))
-    return speedups
+            for dtype in dtypes:
+                totals[n, dtype] += count * sorted(samples[dtype])[repeats // 2]
+    return [totals[n, torch.float32] / max(totals[n, torch.bfloat16], 1e-9) for n in rows]
 
 
 def _probe(workload: str, config=None) -> float:
