@@ -60,6 +60,14 @@ def _load_prompts(source: str | None, seed: int):
 
     if source in (None, "sharegpt"):
         prompts, report = load_sharegpt_prompts()
+    elif source == "python-functions" or source.startswith("python-functions:"):
+        from .code_prompts import python_function_prompts
+
+        roots = source.partition(":")[2]
+        try:
+            prompts, report = python_function_prompts(roots.split(",") if roots else None, seed=seed)
+        except (FileNotFoundError, ValueError) as error:
+            raise SystemExit(f"--prompts {source}: {error}") from None
     else:
         prompts, report = load_jsonl_prompts(source)
     prompts = drop_evaluation_prompts(prompts, report)
@@ -92,7 +100,13 @@ def _register_regenerate(sub) -> None:
     d = _defaults(RegenerationConfig)
     p = sub.add_parser("regenerate", help="write the target's own responses to a prompt set (resumable)")
     _add_target_args(p)
-    p.add_argument("--prompts", default="sharegpt", help="'sharegpt' (offline package) or a JSONL of chats/prompts")
+    p.add_argument(
+        "--prompts",
+        default="sharegpt",
+        help="'sharegpt' (offline package); 'python-functions' (documented functions of the standard library and "
+        "installed packages, as HumanEval-style completions; 'python-functions:DIR,DIR' for other source); "
+        "or a JSONL of chats/prompts",
+    )
     p.add_argument("--output", required=True)
     p.add_argument("--limit", type=int, default=None, help="stop after this many records in the file")
     p.add_argument("--max-prompt-tokens", type=int, default=d["max_prompt_tokens"])

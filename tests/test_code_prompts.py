@@ -1,0 +1,115 @@
+"""HumanEval-shaped training prompts from Python source (``hf-dflash2 regenerate --prompts python-functions``)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+DOCUMENTED = '''
+import math
+from os import path
+
+
+def area(radius, *, scale=1.0):
+    """Area of a circle of the given radius, multiplied by scale.
+
+    Negative radii are rejected.
+    """
+    if radius < 0:
+        raise ValueError(radius)
+    value = math.pi * radius * radius
+    return value * scale
+
+
+def tiny(x):
+    """Return x unchanged, whatever it is, without any work."""
+    return x
+
+
+def undocumented(x):
+    y = x + 1
+    y = y * 2
+    y = y - 3
+    return y
+
+
+def _private(x):
+    """A private helper that is long enough to count as documented."""
+    y = x + 1
+    y = y * 2
+    return y
+'''
+
+
+def write_tree(root):
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "geometry.py").write_text(DOCUMENTED)
+    (root / "pkg" / "tests").mkdir()
+    (root / "pkg" / "tests" / "helpers.py").write_text(DOCUMENTED)  # tests are skipped
+    (root / "pkg" / "broken.py").write_text("def broken(:\n")
+
+
+def test_documented_public_functions_become_humaneval_shaped_prompts(tmp_path):
+    from hf_dflash2.training.code_prompts import INSTRUCTION, python_function_prompts
+
+    write_tree(tmp_path)
+    prompts, report = python_function_prompts([tmp_path])
+    assert [p["id"] for p in prompts] == ["python/pkg.geometry.area"]
+    content = prompts[0]["messages"][0]["content"]
+    expected = INSTRUCTION + "import math\nfrom os import path\n\n\n" + textwrap.dedent('''\
+        def area(radius, *, scale=1.0):
+            """Area of a circle of the given radius, multiplied by scale.
+
+            Negative radii are rejected.
+            """
+        ```''')
+    assert content == expected  # signature and docstring, never the body the target is asked to write
+    assert "math.pi" not in content
+    assert report.skipped == {"body too short": 1, "no docstring or a short one": 1, "unparseable file": 1}
+
+
+def test_limit_seed_and_bad_roots(tmp_path):
+    from hf_dflash2.training.code_prompts import python_function_prompts
+
+    for name in "abcdef":
+        (tmp_path / f"m_{name}.py").write_text(DOCUMENTED.replace("def area", f"def area_{name}"))
+    first, _ = python_function_prompts([tmp_path], seed=1)
+    again, _ = python_function_prompts([tmp_path], seed=1)
+    other, _ = python_function_prompts([tmp_path], seed=2)
+    assert first == again and len(first) == 6
+    assert sorted(p["id"] for p in other) == sorted(p["id"] for p in first)
+    assert len(python_function_prompts([tmp_path], limit=2)[0]) == 2
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        python_function_prompts([tmp_path / "nowhere"])
+    with pytest.raises(ValueError, match="min_body_lines"):
+        python_function_prompts([tmp_path], min_body_lines=0)
+
+
+def test_regenerate_cli_names_a_missing_source_before_loading(tmp_path, monkeypatch):
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    missing = tmp_path / "missing"
+    with pytest.raises(SystemExit, match="missing"):
+        main(["regenerate", "--prompts", f"python-functions:{missing}", "--output", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_evaluation_problems_never_become_training_prompts(tmp_path):
+    """A source file that holds a HumanEval problem verbatim is dropped like any other training source."""
+    from hf_dflash2.assets import load_humaneval_prompts
+    from hf_dflash2.training.code_prompts import python_function_prompts
+    from hf_dflash2.training.commands import _load_prompts
+
+    problem = load_humaneval_prompts()[0]["messages"][0]["content"].split("```python\n", 1)[1].rsplit("```", 1)[0]
+    body = "    result = []\n    for item in numbers:\n        result.append(item)\n    return bool(result)\n"
+    (tmp_path / "leak.py").write_text(problem + body)
+    (tmp_path / "geometry.py").write_text(DOCUMENTED)
+    assert len(python_function_prompts([tmp_path])[0]) == 2  # the leak is a valid prompt on its own
+    prompts = _load_prompts(f"python-functions:{tmp_path}", seed=0)
+    assert [p["id"] for p in prompts] == ["python/geometry.area"]
