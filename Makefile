@@ -88,19 +88,20 @@ finetune-smollm2-6000:
 	$(MAKE) finetune-smollm2 FT_PROMPTS=6000 FT_STORE=data/store_regen6000 FT_STORE_TOKENS=1500000 \
 		FT_FROM=runs/finetune_regen FT_RUN=runs/finetune_regen6000 FT_STEPS=3000
 
-# Session 8: the data moves towards what is evaluated. The last ~1,800 ShareGPT prompts, and 3,000 HumanEval-shaped
-# completions of documented functions of the standard library and installed packages (`--prompts
-# python-functions`; HumanEval itself is never read), appended to the 6,000-response store; then a fine-tune of
-# the committed head's run over the whole store. Resumable at every stage; compared on held-out tau before it
-# replaces the committed head.
+# Session 8: the data moves towards what is evaluated. The ShareGPT prompts past the first 6,000, and 3,000
+# HumanEval-shaped completions of documented functions of the standard library and installed packages
+# (`--prompts python-functions`; HumanEval itself is never read), in a store of their own; then a fine-tune
+# of the committed head's run on it (its general data was seen in that run already). Resumable at every
+# stage; compared on held-out tau before it replaces the committed head.
 CODE_REGEN := data/regen_code.jsonl
 finetune-smollm2-code: setup
 	$(VENV)/bin/hf-dflash2 regenerate --output $(REGEN) --limit 12000 --batch-size 64 --max-new-tokens 192
 	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --output $(CODE_REGEN) --limit 3000 --batch-size 64 \
 		--max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 store --output data/store_regen6000 --source $(REGEN),$(CODE_REGEN) \
+	tail -n +6001 $(REGEN) > data/regen_sharegpt_after6000.jsonl
+	$(VENV)/bin/hf-dflash2 store --output data/store_code --source data/regen_sharegpt_after6000.jsonl,$(CODE_REGEN) \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000
-	$(VENV)/bin/hf-dflash2 train --store data/store_regen6000 --init-from runs/finetune_regen6000 \
+	$(VENV)/bin/hf-dflash2 train --store data/store_code --init-from runs/finetune_regen6000 \
 		--output runs/finetune_code --steps 2000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
 		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
 		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 500 --eval-prompts 8 --eval-max-new-tokens 64 \
