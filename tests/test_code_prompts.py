@@ -51,13 +51,14 @@ def write_tree(root):
 
 
 def test_documented_public_functions_become_humaneval_shaped_prompts(tmp_path):
-    from hf_dflash2.training.code_prompts import INSTRUCTION, python_function_prompts
+    from hf_dflash2.training.code_prompts import python_function_prompts
 
     write_tree(tmp_path)
     prompts, report = python_function_prompts([tmp_path])
     assert [p["id"] for p in prompts] == ["python/pkg.geometry.area"]
     content = prompts[0]["messages"][0]["content"]
-    expected = INSTRUCTION + "import math\nfrom os import path\n\n\n" + textwrap.dedent('''\
+    instruction = "Complete the following Python function.\n\n```python\n"  # as HumanEval is posed
+    expected = instruction + "import math\nfrom os import path\n\n\n" + textwrap.dedent('''\
         def area(radius, *, scale=1.0):
             """Area of a circle of the given radius, multiplied by scale.
 

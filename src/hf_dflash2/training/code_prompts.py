@@ -18,11 +18,10 @@ import random
 import sysconfig
 from pathlib import Path
 
-from ..assets import LoadReport
+from ..assets import LoadReport, function_completion_request
 
 logger = logging.getLogger(__name__)
 
-INSTRUCTION = "Complete the following Python function.\n\n```python\n"
 # Tests, demos and vendored grammars document little and read unlike code people ask a model to finish.
 SKIPPED_PARTS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
 
@@ -45,12 +44,9 @@ def _imports(tree: ast.Module, lines: list[str], limit: int = 4) -> list[str]:
 
 
 def function_prompt(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str], imports: list[str]) -> str | None:
-    """Imports, signature and docstring of ``node`` as the text of a HumanEval-style prompt, or None."""
-    docstring = node.body[0] if node.body else None
-    if not (isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
-            and isinstance(docstring.value.value, str)):
-        return None
-    head = "\n".join(lines[node.lineno - 1 : docstring.end_lineno])
+    """Imports, signature and docstring of ``node`` (whose first statement is its docstring) as the code of a
+    HumanEval-style prompt, or None when it is tab-indented."""
+    head = "\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])
     if "\t" in head:
         return None
     return ("\n".join(imports) + "\n\n\n" if imports else "") + head + "\n"
@@ -112,7 +108,7 @@ def python_function_prompts(
                 if prompt_id in ids:  # the same module path under two roots
                     prompt_id = f"{prompt_id}#{len(ids)}"
                 ids.add(prompt_id)
-                content = INSTRUCTION + text + "```"
+                content = function_completion_request(text)
                 prompts.append({"id": prompt_id, "messages": [{"role": "user", "content": content}]})
                 report.loaded += 1
     random.Random(seed).shuffle(prompts)
