@@ -101,6 +101,22 @@ def test_regenerate_cli_names_a_missing_source_before_loading(tmp_path, monkeypa
     assert not (tmp_path / "out.jsonl").exists()
 
 
+@pytest.mark.parametrize("skip", [-1, 3])
+def test_regenerate_cli_refuses_a_skip_past_the_prompts_before_loading(tmp_path, monkeypatch, skip):
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "question {i}"}}\n' for i in range(3)))
+    with pytest.raises(SystemExit, match=f"--skip {skip}"):
+        main(["regenerate", "--prompts", str(prompts), "--skip", str(skip), "--output", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_evaluation_problems_never_become_training_prompts(tmp_path):
     """A source file that holds a HumanEval problem verbatim is dropped like any other training source."""
     from hf_dflash2.assets import load_humaneval_prompts

@@ -118,6 +118,31 @@ def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path)
     assert all(torch.equal(before[k], after[k]) for k in before)  # a refused source changes nothing
 
 
+def test_init_from_a_saved_head_computes_what_the_head_computed(tmp_path):
+    source = make_trainer(tmp_path / "a", steps=4)
+    source.train()
+    head = source.save_head(tmp_path / "head")
+    other_data = toy_sequences(seed=5, length=48)  # another feature scale: fc must be unfolded with it
+    fine_tune = make_trainer(tmp_path / "b", steps=3, seed=1, sequences=other_data)
+    assert not torch.allclose(fine_tune.feature_scale, source.feature_scale)
+    fine_tune.initialize_from(head)
+    assert fine_tune.initialized_from["head"] == str(head)
+    assert fine_tune.logit_scale(0) == 1.0
+    assert torch.equal(fine_tune.vocab_subset.cpu(), source.vocab_subset.cpu())
+    saved, exported = source.exported_state_dict(), fine_tune.exported_state_dict()
+    for name in saved:  # the exported (raw-feature) weights round-trip up to float rounding
+        assert torch.allclose(saved[name], exported[name], rtol=1e-5, atol=1e-6), name
+    fine_tune.train()
+    assert fine_tune.step == 3
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a saved head"):
+        fine_tune.initialize_from(tmp_path / "broken")
+    wrong = make_trainer(tmp_path / "c", steps=3, dflash2=False)
+    with pytest.raises(ValueError, match="does not match this run's shape"):
+        wrong.initialize_from(head)
+
+
 def test_standardized_features_fold_into_the_saved_head(tmp_path):
     trainer = make_trainer(tmp_path, steps=3)
     trainer.train()

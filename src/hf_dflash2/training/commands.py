@@ -90,7 +90,13 @@ def cmd_regenerate(args) -> int:
     )
     if config.batch_size < 1 or config.max_new_tokens < 1:
         raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
+    if args.skip < 0:
+        raise SystemExit(f"--skip {args.skip} must be >= 0")
     prompts = _load_prompts(args.prompts, args.seed)
+    if args.skip >= len(prompts):
+        raise SystemExit(f"--skip {args.skip} leaves nothing: --prompts {args.prompts} holds {len(prompts)} prompts")
+    # The order is fixed by --seed, so --skip N continues past what an earlier file (now gone) covered.
+    prompts = prompts[args.skip :]
     target, tokenizer, _ = _load_target(args, args.mixed_precision)
     regenerate(target, tokenizer, prompts, args.output, config, max_records=args.limit)
     return 0
@@ -109,6 +115,7 @@ def _register_regenerate(sub) -> None:
     )
     p.add_argument("--output", required=True)
     p.add_argument("--limit", type=int, default=None, help="stop after this many records in the file")
+    p.add_argument("--skip", type=int, default=0, help="leave out the first N prompts of the (seeded) order")
     p.add_argument("--max-prompt-tokens", type=int, default=d["max_prompt_tokens"])
     p.add_argument("--max-new-tokens", type=int, default=d["max_new_tokens"])
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
@@ -337,7 +344,8 @@ def _register_train(sub) -> None:
     p.add_argument("--steps", type=int, default=d["steps"])
     p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
     p.add_argument("--init-from", default=None,
-                   help="start from this run's checkpoint (run folder or checkpoint.pt): weights only, fresh schedule")
+                   help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
+                   "(e.g. heads/smollm2-135m-dflash2); weights only, fresh schedule")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"])
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"])

@@ -457,24 +457,64 @@ class Trainer:
             self.feature_scale = self.feature_scale.to(self.accelerator.device)
             drafter.fc.weight.data.copy_(state["fc_weight_standardized"])
 
-    def initialize_from(self, checkpoint: str | Path) -> None:
-        """Start from another run's weights (a fine-tune, e.g. on new data): the drafter, its feature
-        scale and (when this run restricts the vocabulary) its draft vocabulary come from ``checkpoint``
-        (a run folder or a checkpoint file); optimizer, schedule, step and history start fresh, and there
-        is no logit ramp (the head is trained already). Everything is checked before anything changes:
-        the drafter's shape, its tapped layers and block size, and the feature standardization."""
-        path = Path(checkpoint)
+    def initialize_from(self, source: str | Path) -> None:
+        """Start from trained weights (a fine-tune, e.g. on new data): another run (its folder or checkpoint
+        file) or a saved head folder (``save_head`` / ``save_pretrained``, e.g. the committed head). The
+        drafter, its draft vocabulary (when this run restricts the vocabulary) and, from a run, its feature
+        scale come from ``source``; optimizer, schedule, step and history start fresh, and there is no logit
+        ramp (the head is trained already). Everything is checked before anything changes: the drafter's
+        shape, its tapped layers and block size, and (from a run) the feature standardization."""
+        path = Path(source)
+        checkpoint_files = [path / name for name in ("checkpoint.pt", "checkpoint.rank0.pt")]
+        if path.is_dir() and (path / "config.json").exists() and not any(f.exists() for f in checkpoint_files):
+            self._initialize_from_head(path)
+            return
         if path.is_dir():
-            path = next((path / name for name in ("checkpoint.pt", "checkpoint.rank0.pt") if (path / name).exists()),
-                        path / "checkpoint.pt")
+            path = next((f for f in checkpoint_files if f.exists()), checkpoint_files[0])
         if not path.exists():
-            raise FileNotFoundError(f"--init-from {checkpoint}: no checkpoint at {path}")
+            raise FileNotFoundError(f"--init-from {source}: no checkpoint or saved head at {path}")
         try:
             state = torch.load(path, map_location=self.accelerator.device, weights_only=False)
             source_config, weights = state["drafter_config"], state["drafter"]
         except Exception as error:  # a file that is not one of our checkpoints
             kind = type(error).__name__
             raise ValueError(f"--init-from {path}: not a training checkpoint ({kind}: {error})") from None
+        self._check_source_shape(path, source_config, weights)
+        standardized = state.get("feature_scale") is not None
+        if standardized != self.config.standardize_features:
+            raise ValueError(f"--init-from {path}: trained with standardize_features={standardized}, "
+                             f"this run uses {self.config.standardize_features}")
+        self._restore_drafter(state)
+        if state.get("vocab_subset") is not None and self.vocab_subset is not None:
+            self._use_vocab_subset(torch.tensor(state["vocab_subset"]))
+        self.output_factor = 1.0  # no ramp: the fresh head's damping would flatten a trained head's logits
+        self.initialized_from = {"checkpoint": str(path), "step": state["step"]}
+        logger.info("initialized from %s (its step %d)", path, state["step"])
+
+    def _initialize_from_head(self, folder: Path) -> None:
+        """A saved head reads raw target features (its feature scale is folded into ``fc``); when this run
+        trains on standardized features, ``fc`` is unfolded with this run's scale, so the head computes
+        exactly what it computed when saved."""
+        try:
+            head = DFlash2DraftModel.from_pretrained(folder)
+        except Exception as error:  # a folder that is not a loadable head
+            raise ValueError(f"--init-from {folder}: not a saved head ({type(error).__name__}: {error})") from None
+        weights = {name: tensor.detach().clone() for name, tensor in head.state_dict().items()}
+        self._check_source_shape(folder, head.config.to_dict(), weights)
+        if self.feature_scale is not None:
+            fc = weights["fc.weight"]
+            weights["fc.weight"] = (fc.float() * self.feature_scale.float().cpu()[None]).to(fc.dtype)
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        drafter.load_state_dict(weights)
+        if head.draft_vocab is not None and self.vocab_subset is not None:
+            self._use_vocab_subset(head.draft_vocab)
+        self.output_factor = 1.0
+        recipe = folder / "training_recipe.json"
+        steps = json.loads(recipe.read_text()).get("steps") if recipe.exists() else None
+        self.initialized_from = {"head": str(folder), "step": steps}
+        logger.info("initialized from the saved head %s", folder)
+
+    def _check_source_shape(self, path: Path, source_config: dict, weights: dict) -> None:
         drafter = self.accelerator.unwrap_model(self.drafter)
         ours = drafter.config.to_dict()
         for name in ("target_layer_ids", "block_size", "hidden_size", "vocab_size", "num_hidden_layers"):
@@ -482,22 +522,15 @@ class Trainer:
             mine = ours.get(name, (ours.get("dflash_config") or {}).get(name))
             if theirs != mine:
                 raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}")
-        standardized = state.get("feature_scale") is not None
-        if standardized != self.config.standardize_features:
-            raise ValueError(f"--init-from {path}: trained with standardize_features={standardized}, "
-                             f"this run uses {self.config.standardize_features}")
         expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
         given = {name: tuple(t.shape) for name, t in weights.items()}
         if given != expected:  # load_state_dict would copy what matches before it raised
             differ = sorted(set(given.items()) ^ set(expected.items()))[:4]
             raise ValueError(f"--init-from {path}: its drafter does not match this run's shape: {differ}")
-        self._restore_drafter(state)
-        if state.get("vocab_subset") is not None and self.vocab_subset is not None:
-            self.vocab_subset = torch.tensor(state["vocab_subset"], device=self.accelerator.device)
-            self._head_weight = None  # restricted to the old subset, if it was made already
-        self.output_factor = 1.0  # no ramp: the fresh head's damping would flatten a trained head's logits
-        self.initialized_from = {"checkpoint": str(path), "step": state["step"]}
-        logger.info("initialized from %s (its step %d)", path, state["step"])
+
+    def _use_vocab_subset(self, token_ids: torch.Tensor) -> None:
+        self.vocab_subset = token_ids.to(self.accelerator.device)
+        self._head_weight = None  # restricted to the old subset, if it was made already
 
     @contextmanager
     def exported_weights(self):
