@@ -138,7 +138,8 @@ def test_adaptive_policy_prefers_plain_steps_for_a_useless_draft_and_backs_off()
 
 def test_adaptive_policy_choice_follows_cost_and_confidence():
     cost = CostModel([1.0, 1.0, 1.0, 1.0, 4.0], 0.1)
-    policy = AdaptiveVerifyPolicy(cost, prior_strength=1e-6, pooled_prior=1e-6, probe_overhead=1.0, prior_ratio=1.0)
+    policy = AdaptiveVerifyPolicy(cost, prior_strength=1e-6, pooled_prior=1e-6, probe_overhead=1.0, prior_ratio=1.0,
+                                  clock=None)  # the cost model alone (rounds timed: the next test)
     policy.start(5)
     sure = torch.ones(2, 4)
     assert int(policy.choose(sure)) == 3  # k = 4 would need 5 tokens, which cost 4x
@@ -160,7 +161,7 @@ def test_adaptive_policy_choice_follows_cost_and_confidence():
     policy.chosen(0)
     assert [policy.wants_draft() for _ in range(3)] == [False, False, True]
     # a draft costing 10 % of a step, failed probes held near 3 %: at least 4 plain steps before the next one
-    careful = AdaptiveVerifyPolicy(cost).start(5)
+    careful = AdaptiveVerifyPolicy(cost, clock=None).start(5)
     careful.chosen(0)
     assert [careful.wants_draft() for _ in range(5)] == [False] * 4 + [True]
     with pytest.raises(ValueError, match="block_size=6"):
@@ -170,6 +171,67 @@ def test_adaptive_policy_choice_follows_cost_and_confidence():
     with pytest.raises(TypeError, match="VerifyPolicy"):
         small = tiny_target(vocab_size=64)
         speculative_generate(small, tiny_drafter(small), torch.tensor([[3, 4]]), verify_policy=[1, 2])
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def _run_rounds(policy, clock, confidence, rounds, step_seconds, drafted_seconds):
+    """Drive a policy as the loop does, each round taking the given (fake) time; returns the k chosen."""
+    chosen = []
+    for _ in range(rounds):
+        if policy.wants_draft():
+            k = int(policy.choose(confidence))
+            policy.chosen(k)
+            clock.now += drafted_seconds(k)
+        else:
+            k = 0
+            clock.now += step_seconds
+        chosen.append(k)
+    return chosen
+
+
+@pytest.mark.parametrize("truth", ["cheaper", "dearer"])
+def test_adaptive_policy_trusts_its_own_round_times_over_a_wrong_cost_model(truth):
+    """The cached cost model is one noisy measurement. A call times its rounds: a draft the cache calls
+    too dear (or too cheap) is judged by what rounds really cost."""
+    confidence = torch.full((1, 4), 0.45)  # calibrated below: E[committed | k = 1] = 1.45
+    if truth == "cheaper":  # cache: a drafted round of k = 1 costs 1.65 steps (no pay); really 1.25 (pays)
+        cost, real = CostModel([1.0, 1.45, 1.55, 1.6, 1.65], 0.2), lambda k: 1.2 + 0.05 * k
+    else:  # cache: 1.1 steps (pays); really 1.8 (does not)
+        cost, real = CostModel([1.0, 1.0, 1.0, 1.05, 1.1], 0.1), lambda k: 1.7 + 0.1 * k
+    settings = dict(prior_strength=1e-6, pooled_prior=1e6, prior_ratio=1.0, probe_overhead=0.5, max_skip=4)
+    clock = FakeClock()
+    timed = AdaptiveVerifyPolicy(cost, clock=clock, **settings).start(5)
+    blind = AdaptiveVerifyPolicy(cost, clock=None, **settings).start(5)
+    chosen = _run_rounds(timed, clock, confidence, 200, 1.0, real)
+    blind_chosen = _run_rounds(blind, FakeClock(), confidence, 200, 1.0, real)
+    drafted, blind_drafted = sum(k > 0 for k in chosen[100:]), sum(k > 0 for k in blind_chosen[100:])
+    if truth == "cheaper":
+        assert timed.measured_cost_ratio < 0.85
+        assert blind_drafted < 30 and drafted > 90  # the cache alone would keep probing and backing off
+    else:
+        assert timed.measured_cost_ratio > 1.4
+        assert blind_drafted > 90 and drafted < 30
+    assert len(timed.timed["step"]) + len(timed.timed["draft"]) > 0
+
+
+def test_round_timing_skips_the_first_round_and_clock_none_turns_it_off():
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    clock = FakeClock()
+    policy = AdaptiveVerifyPolicy(cost, clock=clock).start(5)
+    _run_rounds(policy, clock, torch.ones(1, 4), 1, 1.0, lambda k: 100.0)  # a slow first round
+    assert policy.measured_cost_ratio == 1.0 and not policy.timed["draft"]
+    _run_rounds(policy, clock, torch.ones(1, 4), 3, 1.0, lambda k: 2 * (cost.verify(k + 1) + 0.1))
+    assert list(policy.timed["draft"]) == pytest.approx([2.0, 2.0])  # rounds 2 and 3 (4 ends at the next)
+    off = AdaptiveVerifyPolicy(cost, clock=None).start(5)
+    _run_rounds(off, clock, torch.ones(1, 4), 5, 1.0, lambda k: 100.0)
+    assert off.measured_cost_ratio == 1.0 and not off.timed["draft"] and not off.timed["step"]
 
 
 def _pair_counts(target, drafter, prompt, runs, per_call, seed, **kwargs):

@@ -18,6 +18,21 @@ the same time; ``gain(0) = 0``). Because a verify of 2 tokens costs about one of
 is still checked once made, and each check feeds the calibration: a head whose confidence is calibrated
 too low is not locked out.
 
+The cost model is one measurement, taken once and cached; on a shared CPU one noisy entry (verify(2) at
+1.03 instead of 1.2 steps) flips the decision for every later call. So each call also times its own
+rounds, from one ``wants_draft`` to the next (a plain step, or a drafted round of ``k``), as a ratio to
+what the cost model predicts for that round (the call's first round, which pays one-off set-up, is not
+counted). The median ratios of the last rounds of each kind, each shrunk towards the median of both
+kinds, give ``rho``, the drafted rounds' cost relative to steps' as measured, over the cost model's own
+view; a drafted round then costs ``rho * (verify(k + 1) + draft)``, never less than ``verify(1) + draft``
+(threads that wait on a shared CPU can make a plain step time slower than a drafted round). A round's measured time is what the
+round really costs: the accept, the bookkeeping and the context append included. On CUDA, where the
+verify runs asynchronously, a round's time partly lands in the next round's (the host read waits
+for both); the kinds come in runs, so the medians hardly move. A call that keeps drafting would never
+time a plain step, so after ``explore_every`` drafted rounds in a row (4 until two steps are timed) one
+round is a plain step: it costs a fraction of a percent and keeps ``rho`` honest when the cache calls a
+losing draft cheap.
+
 When the draft did not pay, the next rounds skip drafting (plain AR steps through the same verify path;
 the drafter's context keeps growing, so a later draft is exact) and probe again after m, 2m, 4m, ... up
 to ``max_skip`` rounds, where ``m`` keeps the cost of failed probes near 3 % (``probe_overhead``); a probe
@@ -43,6 +58,7 @@ import statistics
 import time
 import warnings
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -318,14 +334,21 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     cost: the ``CostModel`` for this batch size and block; prior_strength ``c`` (per position) and
     pooled_prior ``c0``: pseudo-counts of the calibration; max_skip: longest run of AR steps between probes;
     probe_overhead: a failed probe is followed by at least draft / (probe_overhead * step) plain steps, so
-    that probing a draft that does not pay costs about that share of the time.
+    that probing a draft that does not pay costs about that share of the time. clock: what times the call's
+    own rounds (``None``: trust the cost model alone); timing_window: rounds of each kind kept;
+    timing_prior: pseudo-rounds shrinking each kind's median towards the pooled one; explore_every: drafted
+    rounds in a row before a plain step is timed.
     """
 
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
-                 probe_overhead: float = 0.03, prior_ratio: float = 0.5):
+                 probe_overhead: float = 0.03, prior_ratio: float = 0.5,
+                 clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
+                 timing_prior: float = 0.5, explore_every: int = 16):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
         self.prior_ratio = prior_ratio
         self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
+        self.clock, self.timing_window, self.timing_prior = clock, timing_window, timing_prior
+        self.explore_every = explore_every
 
     def start(self, block_size: int) -> "AdaptiveVerifyPolicy":
         if block_size > self.cost.block_size:
@@ -334,11 +357,47 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             )
         self.observed = self.predicted = None  # [S] device accumulators, allocated on first use
         self.skip, self.to_skip, self._paid = 0, 0, False
+        # measured / predicted seconds of the call's recent rounds: plain steps, drafted rounds
+        self.timed = {"step": deque(maxlen=self.timing_window), "draft": deque(maxlen=self.timing_window)}
+        self._round, self._round_started, self._rounds_timed, self._drafted_in_a_row = None, None, 0, 0
         return super().start(block_size)
 
+    def _time_last_round(self) -> None:
+        if self.clock is None:
+            return
+        now = self.clock()
+        if self._round is not None and self._round_started is not None:
+            self._rounds_timed += 1
+            if self._rounds_timed > 1:  # the first round pays one-off set-up (kernels, allocations)
+                kind, k = self._round
+                predicted = self.cost.verify(1) if kind == "step" else self.cost.verify(k + 1) + self.cost.draft_seconds
+                self.timed[kind].append((now - self._round_started) / predicted)
+        self._round, self._round_started = None, now
+
+    @property
+    def measured_cost_ratio(self) -> float:
+        """``rho``: a drafted round's cost over a plain step's, as measured in this call, relative to the
+        cost model's prediction (1.0 until rounds are timed)."""
+        pooled = [*self.timed["step"], *self.timed["draft"]]
+        if not pooled:
+            return 1.0
+        overall = statistics.median(pooled)
+
+        def scale(kind):
+            n = len(self.timed[kind])
+            median = statistics.median(self.timed[kind]) if n else overall
+            return (n * median + self.timing_prior * overall) / (n + self.timing_prior)
+
+        return scale("draft") / scale("step")
+
     def wants_draft(self) -> bool:
-        if self.to_skip > 0:
-            self.to_skip -= 1
+        self._time_last_round()
+        # until two steps are timed, sooner: one step's noise is what rho leans on then
+        explore_after = self.explore_every if len(self.timed["step"]) >= 2 else min(4, self.explore_every)
+        explore = self.clock is not None and self._drafted_in_a_row >= explore_after
+        if self.to_skip > 0 or explore:
+            self.to_skip = max(0, self.to_skip - 1)
+            self._round, self._drafted_in_a_row = ("step", 0), 0
             return False
         return True
 
@@ -366,7 +425,10 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         # best such rate picks k. When it does not pay, the draft is spent anyway: k then only trades verify
         # time for tokens beyond what plain steps would commit in it (k = 0 gains nothing), so a weak draft
         # is still checked where checking is cheap, and every checked draft calibrates the next choice.
-        rate = expected / (self._verify_cost + self.cost.draft_seconds)  # [S + 1]
+        # A drafted round does a step's work and a draft pass, whatever timings taken under contention say.
+        drafted_cost = ((self._verify_cost + self.cost.draft_seconds) * self.measured_cost_ratio).clamp(
+            min=self._step_cost + self.cost.draft_seconds)
+        rate = expected / drafted_cost  # [S + 1]
         rate[0] = 0.0
         best_rate = rate.argmax()
         self._paid = rate[best_rate] > rows / self._step_cost
@@ -374,6 +436,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         return torch.where(self._paid, best_rate, gain.argmax())
 
     def chosen(self, k: int) -> None:
+        self._round = ("draft", k)
+        self._drafted_in_a_row += 1
         paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
