@@ -1,10 +1,11 @@
-"""How much the adaptive policy's speed hangs on its cost model (session 8).
+"""How much the adaptive policy's speed hangs on its cost model (session 8; round timing, session 9).
 
 The committed head on the demo prompt, 2 HumanEval and 1 MT-Bench prompt (128 new tokens, fp32 via
 ``auto``), timed against plain greedy with methods rotated per repeat and prompt (median of 3): the
 adaptive fast loop under two cost models that were both cached on this host ([1.13, 1.21] and
-[1.03, 1.03] AR steps to verify 2 / 3 tokens), and the fixed block. Also prints three fresh
-measurements of the cost model, to show its spread.
+[1.03, 1.03] AR steps to verify 2 / 3 tokens), each as shipped (the call also times its own rounds)
+and with round timing off (``clock=None``: the cost model alone, as in session 8), and the fixed block.
+Also prints three fresh measurements of the cost model, to show its spread.
 
     python benchmarks/cost_sensitivity.py
 """
@@ -27,7 +28,7 @@ CACHED_COSTS = {
 def main() -> int:
     from hf_dflash2 import speculative_generate
     from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts
-    from hf_dflash2.cost_model_dflash2 import CostModel, measure_cost_model
+    from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, measure_cost_model
     from hf_dflash2.demo import DEFAULT_PROMPT
     from hf_dflash2.precision import load_target_for_decoding
     from hf_dflash2.prompts import encode_messages, load_head
@@ -45,6 +46,7 @@ def main() -> int:
     methods = {"ar": None, "fixed": {"adaptive": False}}
     for name, (verify, draft) in CACHED_COSTS.items():
         methods[name] = {"cost_model": CostModel(verify, draft)}
+        methods[f"{name}_untimed"] = {"verify_policy": AdaptiveVerifyPolicy(CostModel(verify, draft), clock=None)}
     names = list(methods)
     times = {m: [[] for _ in prompts] for m in names}
     taus: dict[str, list[float]] = {m: [] for m in names}

@@ -300,3 +300,36 @@ def test_the_law_statistic_detects_a_verify_length_that_peeks_at_the_sampled_dra
     blind = torch.rand(n, generator=generator) < peeking.float().mean()
     assert float(0.5 * (output_law(blind) - p).abs().sum()) < 0.02
     assert float(0.5 * (output_law(peeking) - p).abs().sum()) > 0.1
+
+
+def test_a_second_call_starts_from_what_the_first_learnt():
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    first = AdaptiveVerifyPolicy(cost, clock=None).start(5)
+    sure = torch.full((1, 4), 0.9)
+    for _ in range(20):  # confident drafts, none accepted
+        first.choose(sure)
+        first.chosen(3)
+        first.observe(sure, 3, torch.zeros(1, dtype=torch.long))
+    fresh = AdaptiveVerifyPolicy(cost, clock=None).start(5)
+    second = AdaptiveVerifyPolicy(cost, clock=None).start(5, first)
+    assert int(fresh.choose(sure)) > 0 and bool(fresh._paid)  # the prior alone trusts the draft
+    second.choose(sure)
+    assert not bool(second._paid)  # the carried evidence does not
+    assert float(second.predicted.sum()) == pytest.approx(second.carry_mass)  # shrunk, still movable
+    assert second.skip == first.skip > 0 and second.to_skip == second.min_skip
+    other = AdaptiveVerifyPolicy(CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1), clock=None).start(5, first)
+    assert other.predicted is None and other.skip == 0  # another cost model: nothing carried
+
+
+def test_verify_policy_for_carries_the_last_call_of_the_same_target_and_head():
+    from hf_dflash2.cost_model_dflash2 import verify_policy_for
+
+    target = tiny_target(vocab_size=64)
+    drafter, other = tiny_drafter(target, block_size=5), tiny_drafter(target, block_size=5)
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    first = verify_policy_for(target, drafter, 1, 5, cost_model=cost)
+    first.observe(torch.ones(1, 4), 4, torch.zeros(1, dtype=torch.long))
+    second = verify_policy_for(target, drafter, 1, 5, cost_model=cost)
+    assert second.predicted is not None and float(second.observed.sum()) == 0.0
+    assert verify_policy_for(target, other, 1, 5, cost_model=cost).predicted is None
+    assert verify_policy_for(target, drafter, 2, 5, cost_model=cost).predicted is None

@@ -321,3 +321,43 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(tmp_path, dflas
     assert torch.equal(loaded.draft_vocab, allowed)
     with pytest.raises(ValueError, match="draft vocabulary ids must lie in"):
         drafter.set_draft_vocab([3, 64])
+
+
+def test_draft_context_projects_late_what_it_would_have_projected_at_once():
+    """Appends defer the drafter's K/V projection: a run of appends is projected in one pass when ``kv``
+    is read, and equals appending one slot at a time; cropped and dropped slots are never projected."""
+    from hf_dflash2.speculative_dflash2 import DraftContext
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target)
+    width = drafter.fc.in_features
+    features = torch.randn(2, 9, width, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9).expand(2, -1)
+    calls = []
+    original = drafter.project_context
+
+    def counting(x):
+        calls.append(x.shape[1])
+        return original(x)
+
+    drafter.project_context = counting
+    eager = DraftContext(drafter, 2, 4, "cpu")  # capacity 4: growth happens while slots are pending
+    for i in range(9):
+        eager.append(features[:, i : i + 1], positions[:, i : i + 1])
+        eager.kv  # noqa: B018 - read after every append: projected one slot at a time
+    assert calls == [1] * 9
+    calls.clear()
+    late = DraftContext(drafter, 2, 4, "cpu")
+    late.append(features[:, :1], positions[:, :1])
+    late.append(features[:, 1:6], positions[:, 1:6])
+    late.crop(2)  # slots 4 and 5 go before anyone reads them
+    late.append(features[:, 4:9], positions[:, 4:9])
+    assert calls == [] and late.length == 9
+    for (k1, v1), (k2, v2) in zip(eager.kv, late.kv):
+        torch.testing.assert_close(k1, k2)
+        torch.testing.assert_close(v1, v2)
+    assert calls == [9]  # the nine kept slots in one pass; the two cropped ones never
+    late.append(features[:, :2], positions[:, :2])
+    late.select(torch.tensor([1]))
+    assert [k.shape[0] for k, _ in late.kv] == [1] * len(late.kv) and late.length == 11
+    torch.testing.assert_close(late.kv[0][0][:, :, :9], eager.kv[0][0][1:])

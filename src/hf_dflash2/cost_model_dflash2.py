@@ -25,18 +25,24 @@ what the cost model predicts for that round (the call's first round, which pays 
 counted). The median ratios of the last rounds of each kind, each shrunk towards the median of both
 kinds, give ``rho``, the drafted rounds' cost relative to steps' as measured, over the cost model's own
 view; a drafted round then costs ``rho * (verify(k + 1) + draft)``, never less than ``verify(1) + draft``
-(threads that wait on a shared CPU can make a plain step time slower than a drafted round). A round's measured time is what the
-round really costs: the accept, the bookkeeping and the context append included. On CUDA, where the
-verify runs asynchronously, a round's time partly lands in the next round's (the host read waits
-for both); the kinds come in runs, so the medians hardly move. A call that keeps drafting would never
-time a plain step, so after ``explore_every`` drafted rounds in a row (4 until two steps are timed) one
-round is a plain step: it costs a fraction of a percent and keeps ``rho`` honest when the cache calls a
-losing draft cheap.
+(threads that wait on a shared CPU can make a plain step time slower than a drafted round). A round's
+measured time is what the round really costs: the accept, the bookkeeping and the context append
+included. On CUDA, where the verify runs asynchronously, a round's time partly lands in the next
+round's (the host read waits for both); the kinds come in runs, so the medians hardly move. A call that
+keeps drafting would never time a plain step, so after ``explore_every`` drafted rounds in a row (4
+until two steps are timed) one round is a plain step: it costs a fraction of a percent and keeps
+``rho`` honest when the cache calls a losing draft cheap.
 
 When the draft did not pay, the next rounds skip drafting (plain AR steps through the same verify path;
 the drafter's context keeps growing, so a later draft is exact) and probe again after m, 2m, 4m, ... up
 to ``max_skip`` rounds, where ``m`` keeps the cost of failed probes near 3 % (``probe_overhead``); a probe
 that pays resets the backoff.
+
+What a call learnt carries over to the next call with the same target, head, batch, block and cost
+model (a user's second ``generate`` is rarely the first): the calibration counts, shrunk to at most
+``carry_mass`` predicted acceptances so that the new call still moves them quickly, the round timings,
+and the back-off level (a head that did not pay at the end of one call starts the next one with a
+few plain steps, and a failed first probe backs off from where the last call stood).
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
@@ -337,20 +343,21 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     that probing a draft that does not pay costs about that share of the time. clock: what times the call's
     own rounds (``None``: trust the cost model alone); timing_window: rounds of each kind kept;
     timing_prior: pseudo-rounds shrinking each kind's median towards the pooled one; explore_every: drafted
-    rounds in a row before a plain step is timed.
+    rounds in a row before a plain step is timed; carry_mass: most calibration evidence (sum of predicted
+    acceptances) a new call inherits from the previous one (``start(block_size, previous)``).
     """
 
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
                  probe_overhead: float = 0.03, prior_ratio: float = 0.5,
                  clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
-                 timing_prior: float = 0.5, explore_every: int = 16):
+                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
         self.prior_ratio = prior_ratio
         self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
         self.clock, self.timing_window, self.timing_prior = clock, timing_window, timing_prior
-        self.explore_every = explore_every
+        self.explore_every, self.carry_mass = explore_every, carry_mass
 
-    def start(self, block_size: int) -> "AdaptiveVerifyPolicy":
+    def start(self, block_size: int, previous: "AdaptiveVerifyPolicy | None" = None) -> "AdaptiveVerifyPolicy":
         if block_size > self.cost.block_size:
             raise ValueError(
                 f"cost model covers blocks up to {self.cost.block_size}, the call uses block_size={block_size}"
@@ -360,6 +367,16 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         # measured / predicted seconds of the call's recent rounds: plain steps, drafted rounds
         self.timed = {"step": deque(maxlen=self.timing_window), "draft": deque(maxlen=self.timing_window)}
         self._round, self._round_started, self._rounds_timed, self._drafted_in_a_row = None, None, 0, 0
+        if previous is not None and previous.block_size == block_size and previous.cost is self.cost:
+            if previous.predicted is not None:
+                mass = float(previous.predicted.sum())  # one host read per call, before the first round
+                shrink = min(1.0, self.carry_mass / mass) if mass > 0 else 1.0
+                self.observed, self.predicted = previous.observed * shrink, previous.predicted * shrink
+                self._verify_cost, self._step_cost = previous._verify_cost, previous._step_cost
+            for kind, values in previous.timed.items():
+                self.timed[kind].extend(values)
+            # the back-off level carries over; the first probe still comes soon (this prompt may pay)
+            self.skip, self.to_skip = previous.skip, min(previous.skip, self.min_skip)
         return super().start(block_size)
 
     def _time_last_round(self) -> None:
@@ -472,4 +489,16 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
         # Keep the measurement's prefill around 4k tokens, whatever the batch.
         context = min(256, max(16, 4096 // batch_size))
         cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
-    return AdaptiveVerifyPolicy(cost_model).start(block_size)
+    parameter = next(target.parameters())
+    key = (id(target), id(drafter), batch_size, block_size, parameter.dtype, parameter.device)
+    remembered = _LAST_POLICY.get(key)
+    previous = None
+    if remembered is not None and remembered[0]() is target and remembered[1]() is drafter:
+        previous = remembered[2]
+    policy = AdaptiveVerifyPolicy(cost_model).start(block_size, previous)
+    _LAST_POLICY[key] = (weakref.ref(target), weakref.ref(drafter), policy)
+    return policy
+
+
+# (id target, id drafter, batch, block, dtype, device) -> (weakref target, weakref drafter, the last call's policy)
+_LAST_POLICY: dict[tuple, tuple] = {}
