@@ -501,9 +501,8 @@ class Trainer:
             raise ValueError(f"--init-from {folder}: not a saved head ({type(error).__name__}: {error})") from None
         weights = {name: tensor.detach().clone() for name, tensor in head.state_dict().items()}
         self._check_source_shape(folder, head.config.to_dict(), weights)
-        if self.feature_scale is not None:
-            fc = weights["fc.weight"]
-            weights["fc.weight"] = (fc.float() * self.feature_scale.float().cpu()[None]).to(fc.dtype)
+        if self.feature_scale is not None:  # in fp32: a bf16 head's fc is not rounded a second time
+            weights["fc.weight"] = weights["fc.weight"].float() * self.feature_scale.float().cpu()[None]
         drafter = self.accelerator.unwrap_model(self.drafter)
         drafter.load_state_dict(weights)
         if head.draft_vocab is not None and self.vocab_subset is not None:
