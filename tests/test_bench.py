@@ -14,8 +14,11 @@ def test_summary_speedup_tau_and_card_numbers():
     per_method = {
         "ar": {"tokens": [10, 20], "seconds": [1.0, 2.0]},  # 0.1 s/token
         "dflash2_fast": {"tokens": [10, 20], "seconds": [0.5, 2.5],
-                         "stats_list": [{"rounds": 4, "committed": 10, "accepted_histogram": [1, 1, 2, 0]},
-                                        {"rounds": 6, "committed": 20, "accepted_histogram": [0, 0, 0, 6]}]},
+                         "stats_list": [  # block 4; the first call also took 5 plain steps (k = 0)
+                             {"rounds": 9, "committed": 15, "accepted_histogram": [6, 1, 2, 0],
+                              "verified_accepted": [[5, 0, 0, 0], [0] * 4, [0] * 4, [1, 1, 2, 0]]},
+                             {"rounds": 6, "committed": 20, "accepted_histogram": [0, 0, 0, 6],
+                              "verified_accepted": [[0] * 4, [0] * 4, [0] * 4, [0, 0, 0, 6]]}]},
     }
     summary = summarize(per_method)
     assert summary["ar"]["speedup_vs_ar"] == pytest.approx(1.0)
@@ -23,15 +26,15 @@ def test_summary_speedup_tau_and_card_numbers():
     assert summary["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(0.1 / 0.0875)
     assert summary["dflash2_fast"]["speedup_per_prompt"] == pytest.approx([2.0, 0.8])
     assert summary["dflash2_fast"]["speedup_worst_prompt"] == pytest.approx(0.8)
-    assert summary["dflash2_fast"]["tau"] == pytest.approx(3.0)
-    # 10 rounds: 9 passed position 1, then 8 of 9, then 6 of 8
+    assert summary["dflash2_fast"]["tau"] == pytest.approx(35 / 15)
+    # 10 rounds verified 3 drafts: 9 passed position 1, then 8 of 9, then 6 of 8; the plain steps checked none
     assert summary["dflash2_fast"]["per_position_acceptance"] == pytest.approx([0.9, 8 / 9, 0.75])
     report = {"datasets": {"humaneval": summary}, "settings": {"batch_size": 1, "temperature": 0.0, "max_new_tokens": 64},
               "machine": {"device": "cpu", "threads": 2}, "skipped": {"prompt_lookup": "why"}, "command": "hf-dflash2 bench"}
     card = card_results(report, "dflash2_fast")
-    assert card["datasets"]["humaneval"]["tau"] == pytest.approx(3.0)
+    assert card["datasets"]["humaneval"]["tau"] == pytest.approx(35 / 15)
     assert card["datasets"]["humaneval"]["speedup"] == pytest.approx(0.1 / 0.0875)
-    assert "| dflash2_fast | 3.00 | 14.0 | 1.14x | 0.80x |" in markdown_table(report)
+    assert "| dflash2_fast | 2.33 | 14.0 | 1.14x | 0.80x |" in markdown_table(report)
     assert "dtype" not in card  # an older report without it: the card says nothing rather than guessing
     report["machine"]["dtype"] = "float32"  # what `precision auto` chose, recorded by run_benchmark
     assert card_results(report, "dflash2_fast")["dtype"] == "float32"

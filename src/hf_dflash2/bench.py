@@ -37,6 +37,7 @@ from .prompts import (
     load_head,
 )
 from .settings import BENCH_METHODS, BenchSettings, add_arguments, from_args
+from .speculative_dflash2 import SpeculativeStats
 
 ALL_METHODS = list(BENCH_METHODS)
 
@@ -259,17 +260,14 @@ def summarize(per_method: dict) -> dict:
         if stats_list:
             rounds = sum(s["rounds"] for s in stats_list)
             committed = sum(s["committed"] for s in stats_list)
-            width = max(len(s["accepted_histogram"]) for s in stats_list)
-            histogram = [sum(s["accepted_histogram"][k] if k < len(s["accepted_histogram"]) else 0 for s in stats_list) for k in range(width)]
-            reached, rates = sum(histogram), []
-            for k in range(width - 1):
-                passed = sum(histogram[k + 1 :])
-                if reached == 0:
-                    break
-                rates.append(passed / reached)
-                reached = passed
+            # Per position from the verified x accepted tables: a plain step (k = 0) or a round that verified
+            # fewer drafts is no failed check of the positions it did not verify (before session 9 the
+            # accepted histogram alone counted them as failures, which the adaptive policy's steps diluted).
+            width = max(len(s["verified_accepted"]) for s in stats_list)
+            joint = [[sum(s["verified_accepted"][k][a] for s in stats_list if k < len(s["verified_accepted"])
+                          and a < len(s["verified_accepted"][k])) for a in range(width)] for k in range(width)]
             entry["tau"] = committed / rounds if rounds else None
-            entry["per_position_acceptance"] = rates
+            entry["per_position_acceptance"] = SpeculativeStats.acceptance_by_position(joint)
         out[method] = entry
     return out
 

@@ -113,11 +113,9 @@ class DraftContext:
     def __init__(self, drafter, n_rows: int, capacity: int, device: torch.device | str):
         self.drafter = drafter
         self.length = 0
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first projection
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first append
         self._valid = torch.zeros(n_rows, capacity, dtype=torch.bool, device=device)
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long, device=device)
-        # Appended slots whose K/V are not projected yet: [(first slot, features [N, L, F], positions [N, L])]
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
 
     @property
     def capacity(self) -> int:
@@ -125,7 +123,6 @@ class DraftContext:
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        self._project_pending()
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
 
     @property
@@ -162,51 +159,29 @@ class DraftContext:
         return self._valid[:, : self.length + width]
 
     def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """features: [N, L, taps * H] tapped target features; positions: [N, L]; valid: [N, L] bool (None: all).
-
-        The drafter's K/V of these slots are projected when ``kv`` is next read: a run of plain AR steps
-        between drafts is projected in one batched pass instead of one small pass per step, and slots
-        cropped before then are never projected.
-        """
+        """features: [N, L, taps * H] tapped target features; positions: [N, L]; valid: [N, L] bool (None: all)."""
+        new_kv = self.drafter.context_kv(self.drafter.project_context(features), positions)
         start, end = self.length, self.length + features.shape[1]
         self._reserve(end)
-        self._valid[:, start:end] = True if valid is None else valid
-        self._positions[:, start:end] = positions
-        self._pending.append((start, features, positions))
-        self.length = end
-
-    def _project_pending(self) -> None:
-        if not self._pending:
-            return
-        start = self._pending[0][0]
-        features = torch.cat([f for _, f, _ in self._pending], dim=1)
-        positions = torch.cat([p for _, _, p in self._pending], dim=1)
-        self._pending = []
-        new_kv = self.drafter.context_kv(self.drafter.project_context(features), positions)
         if self._kv is None:
             self._kv = [(k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]),
                          v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])) for k, v in new_kv]
-        end = start + features.shape[1]
         for (k_buffer, v_buffer), (k, v) in zip(self._kv, new_kv):
             k_buffer[:, :, start:end] = k
             v_buffer[:, :, start:end] = v
+        self._valid[:, start:end] = True if valid is None else valid
+        self._positions[:, start:end] = positions
+        self.length = end
 
     def crop(self, drop: int) -> None:
         """Forget the last ``drop`` slots (as ``DynamicCache.crop(-drop)`` does for the target)."""
         self.length -= drop
-        kept = []
-        for start, features, positions in self._pending:
-            if start < self.length:
-                n = min(features.shape[1], self.length - start)
-                kept.append((start, features[:, :n], positions[:, :n]))
-        self._pending = kept
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows ([n] indices), e.g. once other rows have finished."""
         self._valid, self._positions = self._valid[rows], self._positions[rows]
         if self._kv is not None:
             self._kv = [(k[rows], v[rows]) for k, v in self._kv]
-        self._pending = [(start, f[rows], p[rows]) for start, f, p in self._pending]
 
 
 class SpeculativeStats:
@@ -280,10 +255,17 @@ class SpeculativeStats:
 
     @property
     def per_position_acceptance(self) -> list[float]:
-        joint, rates = self._joint_table(), []
-        for j in range(self.block_size - 1):
-            reached = sum(joint[k][a] for k in range(j + 1, self.block_size) for a in range(j, k + 1))
-            passed = sum(joint[k][a] for k in range(j + 1, self.block_size) for a in range(j + 1, k + 1))
+        return self.acceptance_by_position(self._joint_table())
+
+    @staticmethod
+    def acceptance_by_position(joint: list[list[int]]) -> list[float]:
+        """Per position j: P(draft j+1 accepted | drafts 1..j accepted and draft j+1 verified), from a
+        ``joint[verified][accepted]`` round count table (``as_dict()["verified_accepted"]``, summed over
+        calls). Rounds that verified fewer than j+1 drafts (plain steps above all) say nothing about it."""
+        block_size, rates = len(joint), []
+        for j in range(block_size - 1):
+            reached = sum(joint[k][a] for k in range(j + 1, block_size) for a in range(j, k + 1))
+            passed = sum(joint[k][a] for k in range(j + 1, block_size) for a in range(j + 1, k + 1))
             rates.append(passed / reached if reached else 0.0)
         return rates
 
@@ -307,6 +289,7 @@ class SpeculativeStats:
             "committed": self.committed,
             "accepted_histogram": self.accepted_histogram,
             "verify_length_histogram": self.verify_length_histogram,
+            "verified_accepted": self._joint_table(),
         }
 
     def __repr__(self) -> str:
