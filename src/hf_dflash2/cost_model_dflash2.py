@@ -232,6 +232,18 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
 _MEMORY: dict[tuple, tuple] = {}  # quick key -> (weakref target, weakref drafter, CostModel)
 
 
+def _recall(memory: dict, key: tuple, target, drafter):
+    """What ``_remember`` stored under ``key`` for these very objects (``id``s can be reused), or None."""
+    entry = memory.get(key)
+    if entry is not None and entry[0]() is target and entry[1]() is drafter:
+        return entry[2]
+    return None
+
+
+def _remember(memory: dict, key: tuple, target, drafter, value) -> None:
+    memory[key] = (weakref.ref(target), weakref.ref(drafter), value)
+
+
 def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | None = None,
                                context_length: int = 256, cache_dir: str | Path | None = None,
                                refresh: bool = False) -> CostModel:
@@ -246,9 +258,9 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
     # Per-call fast path (hashing configs costs milliseconds): the same objects, dtype, device and shape.
     quick = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
              block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()))
-    remembered = _MEMORY.get(quick)
-    if not refresh and remembered is not None and remembered[0]() is target and remembered[1]() is drafter:
-        return remembered[2]
+    remembered = None if refresh else _recall(_MEMORY, quick, target, drafter)
+    if remembered is not None:
+        return remembered
     key = cost_key(target, drafter, batch_size, block_size, context_length)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     path = Path(cache_dir or cost_cache_dir()) / f"cost_model-{digest}.json"
@@ -258,7 +270,7 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
             if data.get("key") != key:
                 raise ValueError("it was measured for another key")
             model = CostModel.from_dict(data, block_size)
-            _MEMORY[quick] = (weakref.ref(target), weakref.ref(drafter), model)
+            _remember(_MEMORY, quick, target, drafter, model)
             return model
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             warnings.warn(f"ignoring the cost-model cache file {path}: {error}; measuring again", stacklevel=2)
@@ -270,7 +282,7 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
         os.replace(tmp, path)
     except OSError as error:  # a read-only home still generates, only slower to start next time
         warnings.warn(f"could not write the cost-model cache {path}: {error}", stacklevel=2)
-    _MEMORY[quick] = (weakref.ref(target), weakref.ref(drafter), model)
+    _remember(_MEMORY, quick, target, drafter, model)
     return model
 
 
@@ -491,12 +503,8 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
         cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
     parameter = next(target.parameters())
     key = (id(target), id(drafter), batch_size, block_size, parameter.dtype, parameter.device)
-    remembered = _LAST_POLICY.get(key)
-    previous = None
-    if remembered is not None and remembered[0]() is target and remembered[1]() is drafter:
-        previous = remembered[2]
-    policy = AdaptiveVerifyPolicy(cost_model).start(block_size, previous)
-    _LAST_POLICY[key] = (weakref.ref(target), weakref.ref(drafter), policy)
+    policy = AdaptiveVerifyPolicy(cost_model).start(block_size, _recall(_LAST_POLICY, key, target, drafter))
+    _remember(_LAST_POLICY, key, target, drafter, policy)
     return policy
 
 
