@@ -333,3 +333,22 @@ def test_verify_policy_for_carries_the_last_call_of_the_same_target_and_head():
     assert second.predicted is not None and float(second.observed.sum()) == 0.0
     assert verify_policy_for(target, other, 1, 5, cost_model=cost).predicted is None
     assert verify_policy_for(target, drafter, 2, 5, cost_model=cost).predicted is None
+
+
+def test_after_a_draft_that_did_not_pay_measured_rounds_set_how_much_of_it_is_checked():
+    """Once a draft is spent, k trades extra verify time for tokens. The cache says an extra verified token
+    costs 0.2 steps; rounds timed at twice their prediction make it 0.4, more than a 0.3-sure token brings."""
+    cost = CostModel([1.0, 1.2, 1.4, 1.6, 1.8], 0.5)
+    confidence = torch.full((1, 4), 0.3)
+    settings = dict(prior_strength=1e-6, pooled_prior=1e6, prior_ratio=1.0, clock=None)
+    cached = AdaptiveVerifyPolicy(cost, **settings).start(5)
+    assert int(cached.choose(confidence)) == 1 and not bool(cached._paid)
+    timed = AdaptiveVerifyPolicy(cost, **settings).start(5)
+    timed.timed["step"].extend([1.0] * 8)
+    timed.timed["draft"].extend([2.0] * 8)
+    assert timed.measured_cost_ratio == pytest.approx(2.0, rel=0.05)
+    assert int(timed.choose(confidence)) == 0 and not bool(timed._paid)
+    cheap = AdaptiveVerifyPolicy(cost, **settings).start(5)
+    cheap.timed["step"].extend([1.0] * 8)
+    cheap.timed["draft"].extend([0.25] * 8)
+    assert int(cheap.choose(confidence)) == 2 and not bool(cheap._paid)  # extra tokens at 0.05 steps each

@@ -455,13 +455,17 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         # time for tokens beyond what plain steps would commit in it (k = 0 gains nothing), so a weak draft
         # is still checked where checking is cheap, and every checked draft calibrates the next choice.
         # A drafted round does a step's work and a draft pass, whatever timings taken under contention say.
-        drafted_cost = ((self._verify_cost + self.cost.draft_seconds) * self.measured_cost_ratio).clamp(
+        # The call's own round times (rho) scale the drafted rounds, and also what each extra verified token
+        # costs when the draft is already spent, so the cache's verify curve does not decide k alone.
+        rho = self.measured_cost_ratio
+        drafted_cost = ((self._verify_cost + self.cost.draft_seconds) * rho).clamp(
             min=self._step_cost + self.cost.draft_seconds)
         rate = expected / drafted_cost  # [S + 1]
         rate[0] = 0.0
         best_rate = rate.argmax()
         self._paid = rate[best_rate] > rows / self._step_cost
-        gain = expected - rows * self._verify_cost / self._step_cost
+        extra_verify = ((self._verify_cost - self._step_cost) * rho).clamp(min=0.0) / self._step_cost
+        gain = expected - rows * (1.0 + extra_verify)
         return torch.where(self._paid, best_rate, gain.argmax())
 
     def chosen(self, k: int) -> None:
