@@ -464,7 +464,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         rate[0] = 0.0
         best_rate = rate.argmax()
         self._paid = rate[best_rate] > rows / self._step_cost
-        extra_verify = ((self._verify_cost - self._step_cost) * rho).clamp(min=0.0) / self._step_cost
+        extra_verify = (self._verify_cost - self._step_cost) * rho / self._step_cost  # >= 0: costs are monotone
         gain = expected - rows * (1.0 + extra_verify)
         return torch.where(self._paid, best_rate, gain.argmax())
 
