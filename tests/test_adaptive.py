@@ -129,7 +129,7 @@ def test_adaptive_policy_prefers_plain_steps_for_a_useless_draft_and_backs_off()
                                torch.full(tokens.shape, 0.95))
 
     cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
-    out = speculative_generate(target, Wrong(), ids, max_new_tokens=60, cost_model=cost)
+    out = speculative_generate(target, Wrong(), ids, max_new_tokens=60, cost_model=cost, ngram_size=0)
     assert torch.equal(out.sequences, plain(target, ids, 60))
     histogram = out.stats.verify_length_histogram
     assert histogram[0] > 40  # most rounds are plain steps

@@ -149,10 +149,15 @@ def test_streamer_stopping_criteria_and_dict_output(setup):
                           return_dict_in_generate=True, output_scores=True)
     got = target.generate(ids, max_new_tokens=20, do_sample=False, streamer=b, stopping_criteria=StoppingCriteriaList([StopAt()]),
                           return_dict_in_generate=True, output_scores=True, assistant_model=drafter)
-    assert torch.equal(ref.sequences, got.sequences) and got.sequences.shape[1] == 15
+    # Transformers' assisted loop checks stopping criteria once per round, so a round that accepts several
+    # drafts may end past the stop (as with any assistant); what it keeps is the target's own output.
+    length = got.sequences.shape[1]
+    assert 15 <= length < 15 + drafter.config.block_size
+    assert torch.equal(got.sequences, target.generate(ids, max_new_tokens=length - 6, do_sample=False))
     flat = lambda chunks: [t for c in chunks if c != "end" for t in c]
-    assert flat(a.chunks) == flat(b.chunks) and b.chunks[-1] == "end"
-    assert len(got.scores) == len(ref.scores) == 9
+    assert flat(a.chunks) == ref.sequences[0].tolist() and b.chunks[-1] == "end"
+    assert flat(b.chunks) == got.sequences[0].tolist()
+    assert len(ref.scores) == 9 and len(got.scores) == length - 6
 
 
 def test_batch_with_left_padding_equals_each_row_alone(setup):

@@ -4,7 +4,9 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 
 - ``ar``: plain ``generate`` (greedy, or sampling at T > 0), batch 1 or a left-padded batch;
 - ``dflash2_generate``: ``target.generate(assistant_model=dflash2_head)`` (batch 1);
-- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch);
+- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch), n-gram drafts on
+  (the default);
+- ``dflash2_fast_head``: the same with ``ngram_size=0``: the head's drafts alone;
 - ``dflash1_fast``: the fast loop with the DFlash-1 head trained on the same budget;
 - ``prompt_lookup``: Transformers' prompt-lookup decoding (batch 1, greedy);
 - ``native_dflash``: Transformers' own ``speculation_type="dflash"`` path with the DFlash-1 head's
@@ -103,7 +105,7 @@ class Runner:
 
     def supports(self, method: str, batch: int) -> str | None:
         """None if the method can run here, else why not."""
-        if method in ("dflash2_generate", "dflash2_fast") and "dflash2" not in self.heads:
+        if method in ("dflash2_generate", "dflash2_fast", "dflash2_fast_head") and "dflash2" not in self.heads:
             return "no dFlash 2 head"
         if method in ("dflash1_fast", "native_dflash") and "dflash1" not in self.heads:
             return "no DFlash-1 head"
@@ -132,12 +134,13 @@ class Runner:
         if method == "ar":
             out = self.target.generate(ids, attention_mask=mask, **common)
             generated = (out[:, ids.shape[1] :] != self.pad).sum().item() if ids.shape[0] > 1 else out.shape[1] - ids.shape[1]
-        elif method in ("dflash2_fast", "dflash1_fast"):
-            head = self.heads["dflash2" if method == "dflash2_fast" else "dflash1"]
+        elif method in ("dflash2_fast", "dflash2_fast_head", "dflash1_fast"):
+            head = self.heads["dflash1" if method == "dflash1_fast" else "dflash2"]
             result = speculative_generate(
                 self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
                 temperature=self.temperature or 1.0, top_k=self.top_k if self.sample else None,
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad,
+                ngram_size=0 if method == "dflash2_fast_head" else 3,
             )
             generated, stats = int(result.num_generated.sum()), result.stats
         elif method == "dflash2_generate":

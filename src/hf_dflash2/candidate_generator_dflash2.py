@@ -18,7 +18,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cost_model_dflash2 import verify_policy_for
-from .speculative_dflash2 import DraftContext, SpeculativeStats, dense_proposal, tapped_features
+from .speculative_dflash2 import NGRAM_MAX, DraftContext, SpeculativeStats, dense_proposal, propose, tapped_features
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -33,7 +33,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     The policy comes from the drafter: ``drafter.verify_policy`` (a ``VerifyPolicy``, e.g.
     ``ForcedVerifyLengths``) if set, else adaptive unless ``drafter.adaptive_verify`` is False; a cost
-    model can be given as ``drafter.verify_cost_model``. Statistics of the call are left on
+    model can be given as ``drafter.verify_cost_model``. Rows may draft by prompt lookup instead (as
+    ``speculative_generate``'s ``ngram_size``): ``drafter.ngram_size`` (default 3, 0 turns it off). Statistics of the call are left on
     ``drafter.last_speculative_stats``.
     """
 
@@ -56,7 +57,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         )
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
-        self.confidence, self.verified_last = None, 0
+        self.draft, self.verified_last = None, 0
+        self.ngram_size = getattr(drafter, "ngram_size", 3)
         drafter.last_speculative_stats = self.stats
 
     def get_candidates(
@@ -79,22 +81,26 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         positions = torch.arange(self.context.length, cur_len - 1, device=device)[None]
         self.context.append(features.to(device), positions)
 
-        self.confidence, self.verified_last = None, 0
+        self.draft, self.verified_last = None, 0
         room = self.max_length - cur_len - 1
-        if room <= 0 or not self.policy.wants_draft():
+        if room <= 0:
             return input_ids, None  # a plain step: the target verifies the anchor alone
         anchor = input_ids[:, -1].to(device)
         anchor_pos = torch.tensor([cur_len - 1], device=device)
+        history = input_ids.to(device) if self.ngram_size else None
         with torch.no_grad():
-            draft = self.drafter.draft_block(
-                anchor, anchor_pos, self.context.kv, self.context.valid, self.context.positions, self.temperature
+            draft, head_drafted = propose(
+                self.drafter, self.policy, self.context, anchor, anchor_pos, self.block_size, self.temperature,
+                None, self.ngram_size, history, torch.tensor([cur_len], device=device),
             )
-        k = int(self.policy.choose(draft.confidence))
-        self.policy.chosen(k)
+        if draft is None:
+            return input_ids, None
+        k = int(self.policy.choose(draft.confidence, draft.source, head_drafted))
+        self.policy.chosen(k, bool(draft.uses_head))
         length = min(k, room)
         if length == 0:
             return input_ids, None
-        self.confidence, self.verified_last = draft.confidence, length
+        self.draft, self.verified_last = draft, length
         tokens = draft.tokens[:, :length].to(input_ids.device)
         candidate_logits = None
         if self.do_sample:
@@ -105,8 +111,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         accepted = torch.as_tensor([int(num_matches)], device=self.drafter.device)
-        self.policy.observe(self.confidence, self.verified_last, accepted)
-        self.stats.record(accepted, accepted + 1, verified=self.verified_last)
+        draft = self.draft
+        confidence, source = (None, None) if draft is None else (draft.confidence, draft.source)
+        self.policy.observe(confidence, self.verified_last, accepted, source)
+        self.stats.record(accepted, accepted + 1, verified=self.verified_last, source=source)
 
 
 def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):
@@ -124,6 +132,11 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
         )
     if getattr(generation_config, "num_beams", 1) and generation_config.num_beams > 1:
         raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
+    ngram_size = getattr(drafter, "ngram_size", 3)
+    if not isinstance(ngram_size, int) or not 0 <= ngram_size <= NGRAM_MAX:
+        raise ValueError(
+            f"drafter.ngram_size must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {ngram_size!r}"
+        )
     drafter.bind_target(target)
     return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor)
 

@@ -44,6 +44,15 @@ model (a user's second ``generate`` is rarely the first): the calibration counts
 and the back-off level (a head that did not pay at the end of one call starts the next one with a
 few plain steps, and a failed first probe backs off from where the last call stood).
 
+N-gram drafts (prompt lookup, ``speculative_dflash2.ngram_draft``) are a second source: per row, the most
+recent earlier occurrence of the row's last n tokens proposes what followed it, at no draft cost. Their
+raw confidence is 1 at every position, and each match size n keeps its own calibration (row n of the
+[sources, S] counts; row 0 is the head's), so ``a_i`` becomes the acceptance rate observed for n-gram
+drafts of that size at that position. Each row takes the source with the longer expected accepted run.
+On rounds the head does not draft (back-off, or n-gram drafts won the last round), a matched n-gram is
+verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
+is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
+
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
 temperature > 0 the drafter's confidence is the per-position max probability of its unary distribution,
@@ -72,7 +81,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import DynamicCache
 
-from .speculative_dflash2 import DraftContext, last_position, tapped_features
+from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_features
 
 COST_MODEL_VERSION = 2  # 2: the draft pass lost its LM-head weight copy (half its CPU time)
 
@@ -290,9 +299,11 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
 class VerifyPolicy:
     """How many of a round's drafted tokens to verify. One instance serves one generation call.
 
-    The loop asks ``wants_draft()`` (host, before drafting), then ``choose(confidence)`` (a device
-    scalar or an int; it rides on the loop's one host read), tells the result back with ``chosen(k)``
-    and the outcome with ``observe(confidence, k, accepted)`` (device tensors, no host read).
+    The loop asks ``wants_draft()`` (host, before drafting: run the head's draft pass?) and, when not,
+    ``wants_ngram()`` (may an n-gram match alone be verified this round?); ``use_ngram(head_confidence,
+    ngram_size)`` picks each row's source; then ``choose(confidence, source, drafted)`` (a device scalar or
+    an int; it rides on the loop's one host read) gives ``k``, told back with ``chosen(k, head_used)``;
+    the outcome comes with ``observe(confidence, k, accepted, source)`` (device tensors, no host read).
     """
 
     def start(self, block_size: int) -> "VerifyPolicy":
@@ -302,13 +313,23 @@ class VerifyPolicy:
     def wants_draft(self) -> bool:
         return True
 
-    def choose(self, confidence: torch.Tensor | None) -> torch.Tensor | int:
+    def wants_ngram(self) -> bool:
+        return True
+
+    def use_ngram(self, head_confidence: torch.Tensor | None, ngram_size: torch.Tensor) -> torch.Tensor:
+        """[N] bool: rows whose draft comes from their n-gram match: here, a match of at least 2 tokens
+        (prompt lookup's usual trigger), or any match when the head did not draft."""
+        return ngram_size > (0 if head_confidence is None else 1)
+
+    def choose(self, confidence: torch.Tensor | None, source: torch.Tensor | None = None,
+               drafted: bool = True) -> torch.Tensor | int:
         return self.block_size - 1
 
-    def chosen(self, k: int) -> None:
+    def chosen(self, k: int, head_used: bool = True) -> None:
         pass
 
-    def observe(self, confidence: torch.Tensor | None, k: int, accepted: torch.Tensor) -> None:
+    def observe(self, confidence: torch.Tensor | None, k: int, accepted: torch.Tensor,
+                source: torch.Tensor | None = None) -> None:
         pass
 
 
@@ -339,7 +360,10 @@ class ForcedVerifyLengths(VerifyPolicy):
             return False
         return True
 
-    def choose(self, confidence):
+    def wants_ngram(self) -> bool:
+        return False  # a forced 0 is a plain step
+
+    def choose(self, confidence, source=None, drafted=True):
         k = self._next()
         self.round += 1
         self.history.append(k)
@@ -356,33 +380,37 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     own rounds (``None``: trust the cost model alone); timing_window: rounds of each kind kept;
     timing_prior: pseudo-rounds shrinking each kind's median towards the pooled one; explore_every: drafted
     rounds in a row before a plain step is timed; carry_mass: most calibration evidence (sum of predicted
-    acceptances) a new call inherits from the previous one (``start(block_size, previous)``).
+    acceptances) a new call inherits from the previous one (``start(block_size, previous)``); ngram_streak:
+    rounds in a row n-gram drafts may win before the head drafts again to compete.
     """
 
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
                  probe_overhead: float = 0.03, prior_ratio: float = 0.5,
                  clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
-                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0):
+                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0, ngram_streak: int = 4):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
         self.prior_ratio = prior_ratio
         self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
         self.clock, self.timing_window, self.timing_prior = clock, timing_window, timing_prior
-        self.explore_every, self.carry_mass = explore_every, carry_mass
+        self.explore_every, self.carry_mass, self.ngram_streak = explore_every, carry_mass, ngram_streak
 
     def start(self, block_size: int, previous: "AdaptiveVerifyPolicy | None" = None) -> "AdaptiveVerifyPolicy":
         if block_size > self.cost.block_size:
             raise ValueError(
                 f"cost model covers blocks up to {self.cost.block_size}, the call uses block_size={block_size}"
             )
-        self.observed = self.predicted = None  # [S] device accumulators, allocated on first use
+        self.observed = self.predicted = None  # [sources, S] device accumulators, allocated on first use
         self.skip, self.to_skip, self._paid = 0, 0, False
+        self._exploring, self._head_drafted = False, True  # this round: a timed plain step; the head drafted
+        self._ngram_streak = 0  # rounds in a row that n-gram drafts won
         # measured / predicted seconds of the call's recent rounds: plain steps, drafted rounds
         self.timed = {"step": deque(maxlen=self.timing_window), "draft": deque(maxlen=self.timing_window)}
         self._round, self._round_started, self._rounds_timed, self._drafted_in_a_row = None, None, 0, 0
         if previous is not None and previous.block_size == block_size and previous.cost is self.cost:
             if previous.predicted is not None:
-                mass = float(previous.predicted.sum())  # one host read per call, before the first round
-                shrink = min(1.0, self.carry_mass / mass) if mass > 0 else 1.0
+                # per source (the head, each n-gram size); one host read per call, before the first round
+                mass = previous.predicted.sum(-1, keepdim=True)
+                shrink = (self.carry_mass / mass.clamp_min(1e-9)).clamp(max=1.0)
                 self.observed, self.predicted = previous.observed * shrink, previous.predicted * shrink
                 self._verify_cost, self._step_cost = previous._verify_cost, previous._step_cost
             for kind, values in previous.timed.items():
@@ -399,8 +427,11 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             self._rounds_timed += 1
             if self._rounds_timed > 1:  # the first round pays one-off set-up (kernels, allocations)
                 kind, k = self._round
-                predicted = self.cost.verify(1) if kind == "step" else self.cost.verify(k + 1) + self.cost.draft_seconds
-                self.timed[kind].append((now - self._round_started) / predicted)
+                predicted = self.cost.verify(1) if kind == "step" else self.cost.verify(k + 1)
+                if kind == "draft":
+                    predicted += self.cost.draft_seconds
+                # rounds that verified n-gram drafts without a draft pass are timed with the drafted ones
+                self.timed["step" if kind == "step" else "draft"].append((now - self._round_started) / predicted)
         self._round, self._round_started = None, now
 
     @property
@@ -423,30 +454,53 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         self._time_last_round()
         # until two steps are timed, sooner: one step's noise is what rho leans on then
         explore_after = self.explore_every if len(self.timed["step"]) >= 2 else min(4, self.explore_every)
-        explore = self.clock is not None and self._drafted_in_a_row >= explore_after
-        if self.to_skip > 0 or explore:
+        self._exploring = self.clock is not None and self._drafted_in_a_row >= explore_after
+        self._round = ("step", 0)
+        if self.to_skip > 0 or self._exploring:
             self.to_skip = max(0, self.to_skip - 1)
-            self._round, self._drafted_in_a_row = ("step", 0), 0
+            self._drafted_in_a_row = 0
             return False
-        return True
+        # While n-gram drafts keep winning, the head's draft pass would be spent for nothing; the head gets
+        # another look every ``ngram_streak`` rounds, in case it has become the better source.
+        return not 0 < self._ngram_streak < self.ngram_streak
+
+    def wants_ngram(self) -> bool:
+        return not self._exploring
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
+        """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens."""
         s = self.block_size - 1
         if self.observed is None:
-            self.observed = torch.zeros(s, dtype=torch.float32, device=like.device)
-            self.predicted = torch.zeros(s, dtype=torch.float32, device=like.device)
+            self.observed = torch.zeros(1 + NGRAM_MAX, s, dtype=torch.float32, device=like.device)
+            self.predicted = torch.zeros(1 + NGRAM_MAX, s, dtype=torch.float32, device=like.device)
             # [S + 1]: verifying the anchor and k drafts
             self._verify_cost = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._step_cost = self.cost.verify(1)
-        pooled_observed = self.observed.sum() + self.pooled_prior * self.prior_ratio
-        pooled = pooled_observed / (self.predicted.sum() + self.pooled_prior)
+        pooled_observed = self.observed.sum(-1, keepdim=True) + self.pooled_prior * self.prior_ratio
+        pooled = pooled_observed / (self.predicted.sum(-1, keepdim=True) + self.pooled_prior)
         return (self.observed + self.prior_strength * pooled) / (self.predicted + self.prior_strength)
 
-    def choose(self, confidence):
+    def _acceptance(self, confidence: torch.Tensor, source: torch.Tensor | None) -> torch.Tensor:
+        """[N, S] calibrated acceptance probability of each drafted position."""
+        ratio = self._ratio(confidence)
+        rows = ratio[0].expand_as(confidence) if source is None else ratio[source.clamp_min(0)]
+        return (confidence.float() * rows).clamp(0.0, 1.0)
+
+    def use_ngram(self, head_confidence, ngram_size):
+        """Per row, the source with the longer expected accepted run (n-gram: its size's calibration)."""
+        ngram = self._acceptance(torch.ones(ngram_size.shape[0], self.block_size - 1, device=ngram_size.device),
+                                 ngram_size).cumprod(-1).sum(-1)
+        if head_confidence is None:
+            return ngram_size > 0
+        head = self._acceptance(head_confidence, None).cumprod(-1).sum(-1)
+        return (ngram_size > 0) & (ngram > head)
+
+    def choose(self, confidence, source=None, drafted=True):
+        self._head_drafted = drafted
         if confidence is None:
             self._paid = True  # nothing to judge the draft by: keep drafting
             return self.block_size - 1
-        a = (confidence.float() * self._ratio(confidence)).clamp(0.0, 1.0)  # [N, S]
+        a = self._acceptance(confidence, source)  # [N, S]
         reach = a.cumprod(dim=-1)
         expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
         rows = confidence.shape[0]
@@ -457,37 +511,49 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         # A drafted round does a step's work and a draft pass, whatever timings taken under contention say.
         # The call's own round times (rho) scale the drafted rounds, and also what each extra verified token
         # costs when the draft is already spent, so the cache's verify curve does not decide k alone.
+        # N-gram drafts without a draft pass cost their verify only, and are checked only when they pay.
         rho = self.measured_cost_ratio
-        drafted_cost = ((self._verify_cost + self.cost.draft_seconds) * rho).clamp(
-            min=self._step_cost + self.cost.draft_seconds)
+        draft_seconds = self.cost.draft_seconds if drafted else 0.0
+        drafted_cost = ((self._verify_cost + draft_seconds) * rho).clamp(min=self._step_cost + draft_seconds)
         rate = expected / drafted_cost  # [S + 1]
         rate[0] = 0.0
         best_rate = rate.argmax()
         self._paid = rate[best_rate] > rows / self._step_cost
+        if not drafted:
+            return torch.where(self._paid, best_rate, 0)
         extra_verify = (self._verify_cost - self._step_cost) * rho / self._step_cost  # >= 0: costs are monotone
         gain = expected - rows * (1.0 + extra_verify)
         return torch.where(self._paid, best_rate, gain.argmax())
 
-    def chosen(self, k: int) -> None:
+    def chosen(self, k: int, head_used: bool = True) -> None:
+        paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
+        if not self._head_drafted:  # n-gram drafts alone: the head's back-off is untouched
+            if k > 0:
+                self._round = ("ngram", k)
+                self._drafted_in_a_row += 1
+            self._ngram_streak = self._ngram_streak + 1 if paid else 0
+            return
         self._round = ("draft", k)
         self._drafted_in_a_row += 1
-        paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
+        self._ngram_streak = 1 if paid and not head_used else 0
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip
-        else:
+        elif head_used:
             self.skip = 0
 
-    def observe(self, confidence, k, accepted) -> None:
+    def observe(self, confidence, k, accepted, source=None) -> None:
         if confidence is None or k == 0:
             return
         self._ratio(confidence)
         position = torch.arange(self.block_size - 1, device=accepted.device)
         verified = position < k
-        reached = (accepted[:, None] >= position) & verified
-        passed = (accepted[:, None] > position) & verified
-        self.observed += passed.float().sum(0)
-        self.predicted += (confidence.float() * reached).sum(0)
+        weight = 1.0 if source is None else (source >= 0).float()[:, None]  # rows without a draft say nothing
+        reached = ((accepted[:, None] >= position) & verified) * weight
+        passed = ((accepted[:, None] > position) & verified) * weight
+        index = torch.zeros_like(accepted) if source is None else source.clamp_min(0)
+        self.observed.index_add_(0, index, passed.float())
+        self.predicted.index_add_(0, index, confidence.float() * reached)
 
 
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,

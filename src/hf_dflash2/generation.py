@@ -25,13 +25,16 @@ from transformers import DynamicCache
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .speculative_dflash2 import (
+    NGRAM_MAX,
     DraftContext,
+    Proposal,
     SpeculativeStats,
     accept_greedy,
     accept_sampling,
     dense_proposal,
     last_position,
     process_logits,
+    propose,
     tapped_features,
 )
 
@@ -99,7 +102,7 @@ class _Sampler:
         probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
 
-    def accept(self, draft_tokens: torch.Tensor, draft, logits: torch.Tensor):
+    def accept(self, draft_tokens: torch.Tensor, draft: Proposal | None, logits: torch.Tensor):
         """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
         if not self.do_sample:
             return accept_greedy(draft_tokens, logits)
@@ -126,10 +129,19 @@ class _Rows:
 
 
 class _Output:
-    """Generated tokens per output row, with EOS and token-budget stops inside a block."""
+    """Generated tokens per output row, with EOS and token-budget stops inside a block.
 
-    def __init__(self, n_rows, max_new_tokens, block_size, pad_token_id, eos, device):
-        self.tokens = torch.full((n_rows, max_new_tokens + block_size), pad_token_id, dtype=torch.long, device=device)
+    ``history`` [N, P + max_new_tokens + B] holds each row's prompt (-1 on left padding) followed by its
+    generated ``tokens`` (a view), which is what n-gram drafts are matched against."""
+
+    def __init__(self, input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos):
+        n_rows, prompt = input_ids.shape
+        device = input_ids.device
+        self.history = torch.full((n_rows, prompt + max_new_tokens + block_size), pad_token_id, dtype=torch.long,
+                                  device=device)
+        self.history[:, :prompt] = torch.where(attention_mask.bool(), input_ids, -1)
+        self.tokens = self.history[:, prompt:]
+        self.prompt_length = prompt
         self.count = torch.zeros(n_rows, dtype=torch.long, device=device)
         self.max_new_tokens, self.eos = max_new_tokens, eos
         self.offsets = torch.arange(block_size, device=device)
@@ -177,27 +189,28 @@ def verify(target, layer_ids, cache, context: DraftContext, ids: torch.Tensor, p
 
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
-                       streamer=None) -> None:
+                       streamer=None, ngram_size: int = 0) -> None:
     """Rounds of draft -> host read -> verify -> accept until every row has finished."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
+    no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
     while True:
-        draft = None
-        if policy.wants_draft():
-            with record_function("dflash2::draft"):
-                draft = drafter.draft_block(rows.anchor, rows.anchor_pos, context.kv, context.valid,
-                                            context.positions, sampler.draft_temperature, sampler.generator, block_size)
-                k = policy.choose(draft.confidence)
-        else:
-            k = 0
-        # The one host read per round: any row running, all rows running, trailing slots no row needs, k.
-        any_running, all_running, crop, k = torch.stack([
+        history = length = None
+        if ngram_size:
+            history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
+        draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
+                                      sampler.draft_temperature, sampler.generator, ngram_size, history, length)
+        k = 0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted)
+        # The one host read per round: any row running, all rows running, trailing slots no row needs, k,
+        # and whether any row took the head's draft.
+        any_running, all_running, crop, k, head_used = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
-            torch.as_tensor(k, device=unused_tail.device).long()]).tolist()
+            torch.as_tensor(k, device=unused_tail.device).long(),
+            (no if draft is None else draft.uses_head).long()]).tolist()
         if not any_running:
             return
         if draft is not None:
-            policy.chosen(k)
+            policy.chosen(k, bool(head_used))
         if crop > 0:
             cache.crop(-crop)
             context.crop(crop)
@@ -207,7 +220,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             context.select(keep)
             rows = rows.select(keep)
             if draft is not None:
-                draft = type(draft)(*(None if t is None else t[keep] for t in vars(draft).values()))
+                draft = draft.select(keep)
 
         drafts = draft.tokens[:, :k] if k else rows.anchor[:, None][:, :0]
         ids = torch.cat([rows.anchor[:, None], drafts], dim=1)
@@ -216,9 +229,10 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             logits, features = verify(target, layer_ids, cache, context, ids, positions)
         with record_function("dflash2::accept"):
             accepted, tokens = sampler.accept(drafts, draft, logits)
-            policy.observe(None if draft is None else draft.confidence, k, accepted)
+            source = None if draft is None else draft.source
+            policy.observe(None if draft is None else draft.confidence, k, accepted, source)
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
-            stats.record(accepted, written, verified=k)
+            stats.record(accepted, written, verified=k, source=source)
         if streamer is not None:
             streamer.put(tokens[0, : int(written[0])].cpu())
 
@@ -249,6 +263,7 @@ def speculative_generate(
     adaptive: bool = True,
     verify_policy: VerifyPolicy | None = None,
     cost_model: CostModel | None = None,
+    ngram_size: int = 3,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
@@ -260,9 +275,14 @@ def speculative_generate(
     second under the measured ``cost_model`` (measured once per machine / dtype / shape and cached when
     not given); ``adaptive=False`` verifies the whole block; ``verify_policy`` overrides both
     (e.g. ``ForcedVerifyLengths([0, 3, 1])``). ``stats.verify_length_histogram`` reports the choices.
+    ``ngram_size`` (default 3, at most 4; 0 turns it off): rows may draft by prompt lookup instead, from
+    the most recent earlier occurrence of their last ``n <= ngram_size`` tokens in the prompt or output,
+    when the policy expects that to be accepted further than the head's draft (``stats.ngram_rounds``).
     """
     block_size = block_size or drafter.config.block_size
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
+    if not isinstance(ngram_size, int) or not 0 <= ngram_size <= NGRAM_MAX:
+        raise ValueError(f"ngram_size must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {ngram_size!r}")
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
     n_rows = input_ids.shape[0]
@@ -284,7 +304,7 @@ def speculative_generate(
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
     eos = _eos_tensor(target, eos_token_id, device)
-    output = _Output(n_rows, max_new_tokens, block_size, pad_token_id, eos, device)
+    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
@@ -292,7 +312,8 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
-    speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer)
+    speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
+                       ngram_size)
     if streamer is not None:
         streamer.end()
     width = int(output.count.max())

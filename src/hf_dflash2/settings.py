@@ -11,7 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-BENCH_METHODS = ("ar", "dflash2_generate", "dflash2_fast", "dflash1_fast", "prompt_lookup", "native_dflash")
+BENCH_METHODS = ("ar", "dflash2_generate", "dflash2_fast", "dflash2_fast_head", "dflash1_fast", "prompt_lookup",
+                 "native_dflash")
 
 
 class InvalidSamplingError(ValueError):

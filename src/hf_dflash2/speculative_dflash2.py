@@ -6,7 +6,10 @@ Shipped with saved heads as remote code (sibling of ``modeling_dflash2.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+from torch.profiler import record_function
 
 
 def tapped_features(hidden_states, layer_ids: list[int]) -> torch.Tensor:
@@ -98,6 +101,125 @@ def accept_sampling(
     drafts_padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
     tokens = torch.where(positions[None] < accepted[:, None], drafts_padded, resampled)
     return accepted, tokens
+
+
+NGRAM_MAX = 4  # longest n-gram a draft may be matched on (the policy keeps one calibration per size)
+
+
+def ngram_draft(history: torch.Tensor, length: torch.Tensor, num_tokens: int, ngram_size: int = 3):
+    """Prompt-lookup drafts on the device: per row, the most recent earlier occurrence of the row's last
+    ``n`` tokens (the longest ``n <= ngram_size`` that occurs) and the tokens that followed it.
+
+    history: [N, T] token ids, -1 where a row has none (left padding); length: [N] tokens in use per row
+    (``history[:, :length]``, the anchor last). -> (tokens [N, num_tokens], size [N]: the matched ``n``,
+    0 where nothing matched). A continuation that runs into the row's end repeats the span between the
+    match and the end, which is what a row caught in a loop will say next.
+    """
+    n_rows, width = history.shape
+    device = history.device
+    size = torch.zeros(n_rows, dtype=torch.long, device=device)
+    start = torch.zeros(n_rows, dtype=torch.long, device=device)  # where the continuation begins
+    for n in range(min(ngram_size, NGRAM_MAX), 0, -1):
+        if width <= n:
+            continue
+        suffix = history.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp_min(0))  # [N, n]
+        windows = history.unfold(1, n, 1)  # [N, T - n + 1, n]
+        begins = torch.arange(windows.shape[1], device=device)
+        found = (windows == suffix[:, None]).all(-1) & (begins[None] + n < length[:, None])
+        found &= (suffix >= 0).all(-1, keepdim=True)
+        last = torch.where(found, begins[None], -1).amax(-1)  # the most recent match, -1 if none
+        take = (size == 0) & (last >= 0)
+        size = torch.where(take, n, size)
+        start = torch.where(take, last + n, start)
+    period = (length - start).clamp_min(1)
+    offsets = torch.arange(num_tokens, device=device)
+    index = (start[:, None] + offsets[None] % period[:, None]).clamp(0, width - 1)
+    return history.gather(1, index), size
+
+
+@dataclass
+class Proposal:
+    """One round's drafts, each row from the head or from an n-gram match.
+
+    tokens: [N, S]; confidence: [N, S] (the head's, 1 for n-gram tokens, 0 where a row has no draft);
+    source: [N] 0 = the head, n >= 1 = an n-gram match of n tokens, -1 = no draft; q_ids / q_probs:
+    [N, S, K] the proposal distribution as ``DraftOutput`` (one-hot on n-gram rows), None when greedy
+    without a head draft.
+    """
+
+    tokens: torch.Tensor
+    confidence: torch.Tensor
+    source: torch.Tensor
+    q_ids: torch.Tensor | None = None
+    q_probs: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> "Proposal":
+        return Proposal(*(None if t is None else t[rows] for t in vars(self).values()))
+
+    @property
+    def uses_head(self) -> torch.Tensor:
+        return (self.source == 0).any()
+
+
+def one_hot_proposal(tokens: torch.Tensor, like_ids: torch.Tensor | None, vocab_size: int):
+    """q for deterministic drafts ([N, S] tokens) in the layout of ``like_ids`` [N, S, K] (None: K = 1)."""
+    if like_ids is None or like_ids.shape[-1] == 1:
+        return tokens[..., None], torch.ones(*tokens.shape, 1, dtype=torch.float32, device=tokens.device)
+    if like_ids.shape[-1] == vocab_size:  # dense ids (0..V-1): the probabilities carry the token
+        probs = torch.zeros(like_ids.shape, dtype=torch.float32, device=tokens.device)
+        return like_ids, probs.scatter_(-1, tokens[..., None], 1.0)
+    probs = torch.zeros(like_ids.shape, dtype=torch.float32, device=tokens.device)
+    probs[..., 0] = 1.0
+    return tokens[..., None].expand_as(like_ids), probs
+
+
+def make_proposal(draft, ngram_tokens: torch.Tensor | None, ngram_size: torch.Tensor | None,
+                  use_ngram: torch.Tensor | None, anchor: torch.Tensor, vocab_size: int) -> Proposal:
+    """Merge the head's ``DraftOutput`` (or None) with n-gram drafts (or None), per row: ``use_ngram`` [N]
+    picks the n-gram where it matched. Rows with neither get the anchor as filler and confidence 0."""
+    if ngram_tokens is None:
+        source = torch.zeros_like(anchor)
+        return Proposal(draft.tokens, draft.confidence, source, draft.q_ids, draft.q_probs)
+    s = ngram_tokens.shape[1]
+    matched = ngram_size > 0
+    if draft is None:
+        tokens = torch.where(matched[:, None], ngram_tokens, anchor[:, None])
+        confidence = matched[:, None].float().expand(-1, s)
+        q_ids, q_probs = one_hot_proposal(tokens, None, vocab_size)
+        return Proposal(tokens, confidence, torch.where(matched, ngram_size, -1), q_ids, q_probs)
+    use = (use_ngram & matched)[:, None]
+    tokens = torch.where(use, ngram_tokens, draft.tokens)
+    confidence = torch.where(use, 1.0, draft.confidence.float())
+    q_ids, q_probs = draft.q_ids, draft.q_probs
+    if q_ids is not None:
+        ngram_ids, ngram_probs = one_hot_proposal(ngram_tokens, q_ids, vocab_size)
+        q_ids = torch.where(use[..., None], ngram_ids, q_ids)
+        q_probs = torch.where(use[..., None], ngram_probs, q_probs.float())
+    return Proposal(tokens, confidence, torch.where(use[:, 0], ngram_size, 0), q_ids, q_probs)
+
+
+def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
+            temperature: float = 0.0, generator: torch.Generator | None = None, ngram_size: int = 0,
+            history: torch.Tensor | None = None, length: torch.Tensor | None = None) -> tuple[Proposal | None, bool]:
+    """One round's drafts after ``anchor`` / ``anchor_pos`` [N]: the head's draft pass if the policy wants
+    it, n-gram matches against ``history`` [N, T] / ``length`` [N] if ``ngram_size``, each row from the
+    source the policy prefers -> (proposal, or None for a plain step; whether the head drafted)."""
+    ngram_tokens = ngram_sizes = None
+    if ngram_size:
+        with record_function("dflash2::ngram"):
+            ngram_tokens, ngram_sizes = ngram_draft(history, length, block_size - 1, ngram_size)
+    draft = None
+    if policy.wants_draft():
+        with record_function("dflash2::draft"):
+            draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
+                                        temperature, generator, block_size)
+    elif ngram_tokens is None or not policy.wants_ngram():
+        return None, False
+    use_ngram = None
+    if ngram_tokens is not None:
+        use_ngram = policy.use_ngram(None if draft is None else draft.confidence, ngram_sizes)
+    vocab = drafter.bound_target.lm_head_weight.shape[0]
+    return make_proposal(draft, ngram_tokens, ngram_sizes, use_ngram, anchor, vocab), draft is not None
 
 
 class DraftContext:
@@ -197,6 +319,7 @@ class SpeculativeStats:
         self.block_size = block_size
         self._joint = None  # [B, B] rounds by (drafts verified, drafts accepted)
         self._committed = None
+        self._ngram = None  # [2]: rows x rounds that verified n-gram drafts, drafts of theirs accepted
 
     def record(
         self,
@@ -204,17 +327,24 @@ class SpeculativeStats:
         committed: torch.Tensor,
         active: torch.Tensor | None = None,
         verified: int | None = None,
+        source: torch.Tensor | None = None,
     ) -> None:
         """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified;
-        verified: drafted tokens verified this round (``B - 1`` when not given)."""
+        verified: drafted tokens verified this round (``B - 1`` when not given); source: [N] where each
+        row's drafts came from (``Proposal.source``: n >= 1 an n-gram match)."""
         b = self.block_size
         if self._joint is None:
             self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
             self._committed = torch.zeros((), dtype=torch.long, device=accepted.device)
+            self._ngram = torch.zeros(2, dtype=torch.long, device=accepted.device)
         weight = torch.ones_like(accepted, dtype=torch.long) if active is None else active.long()
         verified = b - 1 if verified is None else min(max(int(verified), 0), b - 1)
-        self._joint.scatter_add_(0, verified * b + accepted.long().clamp(0, verified), weight)
+        accepted = accepted.long().clamp(0, verified)
+        self._joint.scatter_add_(0, verified * b + accepted, weight)
         self._committed += (committed.long() * weight).sum()
+        if source is not None and verified > 0:
+            ngram = (source > 0).long() * weight
+            self._ngram += torch.stack([ngram.sum(), (ngram * accepted).sum()])
 
     def _joint_table(self) -> list[list[int]]:
         b = self.block_size
@@ -249,6 +379,15 @@ class SpeculativeStats:
         return int(self._committed) if self._committed is not None else 0
 
     @property
+    def ngram_rounds(self) -> int:
+        """Rows x rounds whose verified drafts came from an n-gram match rather than the head."""
+        return int(self._ngram[0]) if self._ngram is not None else 0
+
+    @property
+    def ngram_accepted(self) -> int:
+        return int(self._ngram[1]) if self._ngram is not None else 0
+
+    @property
     def acceptance_length(self) -> float:
         rounds = self.rounds
         return self.committed / rounds if rounds else 0.0
@@ -274,9 +413,11 @@ class SpeculativeStats:
             if self._joint is None:
                 self._joint = other._joint.clone()
                 self._committed = other._committed.clone()
+                self._ngram = other._ngram.clone()
             else:
                 self._joint += other._joint.to(self._joint.device)
                 self._committed += other._committed.to(self._committed.device)
+                self._ngram += other._ngram.to(self._ngram.device)
         return self
 
     def as_dict(self) -> dict:
@@ -290,10 +431,12 @@ class SpeculativeStats:
             "accepted_histogram": self.accepted_histogram,
             "verify_length_histogram": self.verify_length_histogram,
             "verified_accepted": self._joint_table(),
+            "ngram_rounds": self.ngram_rounds,
+            "ngram_accepted": self.ngram_accepted,
         }
 
     def __repr__(self) -> str:
         return (
             f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted}, "
-            f"verify_lengths={self.verify_length_histogram})"
+            f"ngram_rounds={self.ngram_rounds}, verify_lengths={self.verify_length_histogram})"
         )
