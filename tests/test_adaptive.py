@@ -43,7 +43,8 @@ def test_forced_lengths_fast_loop_greedy_identity(dflash2, draft_when_zero, batc
     alone = [plain(target, p[None], 30)[0, len(p):] for p in prompts]
     oracle = OracleDrafter(drafter, torch.stack(alone), torch.tensor([len(p) for p in prompts]))
     policy = ForcedVerifyLengths(FORCED, draft_when_zero=draft_when_zero)
-    out = speculative_generate(target, oracle, ids, attention_mask=mask, max_new_tokens=30, verify_policy=policy)
+    out = speculative_generate(target, oracle, ids, attention_mask=mask, max_new_tokens=30, verify_policy=policy,
+                               block_size=5)
     for row in range(batch):
         assert torch.equal(out.sequences[row, width:], alone[row]), row
     histogram = out.stats.verify_length_histogram
@@ -237,14 +238,14 @@ def test_round_timing_skips_the_first_round_and_clock_none_turns_it_off():
 def _pair_counts(target, drafter, prompt, runs, per_call, seed, **kwargs):
     counts = torch.zeros(target.config.vocab_size, target.config.vocab_size)
     generator = torch.Generator().manual_seed(seed)
-    histogram = torch.zeros(drafter.config.block_size, dtype=torch.long)
+    histogram = 0
     for start in range(0, runs, per_call):
         n = min(per_call, runs - start)
         out = speculative_generate(target, drafter, prompt.repeat(n, 1), max_new_tokens=2, do_sample=True,
                                    temperature=1.3, top_k=8, top_p=0.95, generator=generator, **kwargs)
         pairs = out.sequences[:, prompt.shape[1]:prompt.shape[1] + 2]
         counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(n), accumulate=True)
-        histogram += torch.tensor(out.stats.verify_length_histogram)
+        histogram = histogram + torch.tensor(out.stats.verify_length_histogram)  # [the call's block]
     return counts, histogram
 
 

@@ -18,7 +18,15 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cost_model_dflash2 import verify_policy_for
-from .speculative_dflash2 import NGRAM_MAX, DraftContext, SpeculativeStats, dense_proposal, propose, tapped_features
+from .speculative_dflash2 import (
+    NGRAM_MAX,
+    DraftContext,
+    SpeculativeStats,
+    dense_proposal,
+    propose,
+    round_block_size,
+    tapped_features,
+)
 
 
 class DFlash2CandidateGenerator(CandidateGenerator):
@@ -46,7 +54,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.layer_ids = drafter.config.target_layer_ids
         # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices).
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
-        self.block_size = drafter.config.block_size
+        self.ngram_size = getattr(drafter, "ngram_size", 3)
+        self.block_size = round_block_size(drafter, self.ngram_size, None, generation_config.max_length,
+                                           getattr(drafter, "verify_cost_model", None))
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
@@ -58,7 +68,6 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
         self.draft, self.verified_last = None, 0
-        self.ngram_size = getattr(drafter, "ngram_size", 3)
         drafter.last_speculative_stats = self.stats
 
     def get_candidates(

@@ -83,7 +83,7 @@ from transformers import DynamicCache
 
 from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_features
 
-COST_MODEL_VERSION = 2  # 2: the draft pass lost its LM-head weight copy (half its CPU time)
+COST_MODEL_VERSION = 3  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:
@@ -220,7 +220,7 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
 
     def draft():
         drafter.draft_block(ids[:, context_length], anchor_pos, context.kv, context.valid, context.positions,
-                            0.0, None, block_size)
+                            0.0, None, min(block_size, drafter.config.block_size))  # as the loops draft
 
     runs = {k: (lambda k=k: verify(k)) for k in range(1, block_size + 1)}
     runs[0] = draft

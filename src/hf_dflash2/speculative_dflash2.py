@@ -104,6 +104,23 @@ def accept_sampling(
 
 
 NGRAM_MAX = 4  # longest n-gram a draft may be matched on (the policy keeps one calibration per size)
+NGRAM_BLOCK = 16  # a round may verify up to 15 n-gram drafts, even after a head trained on shorter blocks
+
+
+def round_block_size(drafter, ngram_size: int, block_size: int | None = None, room: int | None = None,
+                     cost_model=None) -> int:
+    """The loop's block (anchor + most drafts a round verifies): ``block_size`` if given; else the head's,
+    widened to ``NGRAM_BLOCK`` when n-gram drafts are on (a trigram match is often right for 9+ tokens,
+    and a verify of 16 tokens costs little more than one of 8), but never past ``room`` positions or
+    the blocks a given ``cost_model`` covers."""
+    if block_size:
+        return block_size
+    head = drafter.config.block_size
+    if not ngram_size:
+        return head
+    widest = min(NGRAM_BLOCK, room if room is not None else NGRAM_BLOCK,
+                 cost_model.block_size if cost_model is not None else NGRAM_BLOCK)
+    return max(head, widest)
 
 
 def ngram_draft(history: torch.Tensor, length: torch.Tensor, num_tokens: int, ngram_size: int = 3):
@@ -198,6 +215,25 @@ def make_proposal(draft, ngram_tokens: torch.Tensor | None, ngram_size: torch.Te
     return Proposal(tokens, confidence, torch.where(use[:, 0], ngram_size, 0), q_ids, q_probs)
 
 
+def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
+    """A head's draft widened to ``width`` positions: the anchor as filler, confidence 0 (never verified
+    for a head row, since acceptance there is expected to be 0), a one-hot q."""
+    extra = width - draft.tokens.shape[1]
+    filler = anchor[:, None].expand(-1, extra)
+    q_ids = q_probs = None
+    if draft.q_ids is not None:
+        if draft.q_ids.shape[-1] == vocab_size:
+            filler_ids, filler_probs = one_hot_proposal(filler, draft.q_ids[:, :1].expand(-1, extra, -1), vocab_size)
+        else:
+            filler_ids = filler[..., None].expand(-1, -1, draft.q_ids.shape[-1])
+            filler_probs = torch.zeros(filler_ids.shape, dtype=torch.float32, device=anchor.device)
+            filler_probs[..., 0] = 1.0
+        q_ids = torch.cat([draft.q_ids, filler_ids], dim=1)
+        q_probs = torch.cat([draft.q_probs.float(), filler_probs], dim=1)
+    confidence = torch.cat([draft.confidence.float(), draft.confidence.new_zeros(anchor.shape[0], extra).float()], 1)
+    return Proposal(torch.cat([draft.tokens, filler], dim=1), confidence, torch.zeros_like(anchor), q_ids, q_probs)
+
+
 def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
             temperature: float = 0.0, generator: torch.Generator | None = None, ngram_size: int = 0,
             history: torch.Tensor | None = None, length: torch.Tensor | None = None) -> tuple[Proposal | None, bool]:
@@ -212,7 +248,9 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     if policy.wants_draft():
         with record_function("dflash2::draft"):
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
-                                        temperature, generator, block_size)
+                                        temperature, generator, min(block_size, drafter.config.block_size))
+        if draft.tokens.shape[1] < block_size - 1:  # the round is wider than the head's own block
+            draft = _padded(draft, block_size - 1, anchor, drafter.bound_target.lm_head_weight.shape[0])
     elif ngram_tokens is None or not policy.wants_ngram():
         return None, False
     use_ngram = None
