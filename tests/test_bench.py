@@ -40,6 +40,17 @@ def test_summary_speedup_tau_and_card_numbers():
     assert card_results(report, "dflash2_fast")["dtype"] == "float32"
     with pytest.raises(ValueError, match="not in this report"):
         card_results(report, "missing_method")
+    # an older report (no head-only method): the card's default falls back to dflash2_fast
+    assert card_results(report, "dflash2_fast_head")["method"] == "dflash2_fast"
+    # with both: the card shows the head's own drafts and quotes the n-gram hybrid beside them
+    summary["dflash2_fast_head"] = {**summary["dflash2_fast"], "tau": 1.5, "speedup_vs_ar": 1.1}
+    card = card_results(report, "dflash2_fast_head")
+    assert card["datasets"]["humaneval"]["tau"] == 1.5 and card["method"] == "dflash2_fast_head"
+    assert card["with_ngram_drafts"]["humaneval"]["tau"] == pytest.approx(35 / 15)
+    from hf_dflash2.hub import _results_section
+
+    text = _results_section(card)
+    assert "| humaneval | 1.50 |" in text and "as vLLM and SGLang serve it" in text and "humaneval τ 2.33" in text
 
 
 def test_dflash1_head_maps_into_the_native_transformers_path():

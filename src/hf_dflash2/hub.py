@@ -167,6 +167,14 @@ def _results_section(results: dict | None) -> str:
         speedup = f"{_fmt_number(speedup)}×" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else "–"
         rows.append(f"| {name} | {_fmt_number(entry.get('tau'))} | {speedup} | {per_position} |")
     lines = ["\n".join(rows)]
+    if results.get("method"):
+        note = f": {results['method_note']}" if results.get("method_note") else ""
+        lines.append(f"Method: `{results['method']}`{note}.")
+    if results.get("with_ngram_drafts"):
+        parts = [f"{name} τ {_fmt_number(e.get('tau'))}, {_fmt_number(e.get('speedup'))}×"
+                 for name, e in results["with_ngram_drafts"].items()]
+        lines.append("With `hf_dflash2`'s default n-gram (prompt lookup) drafts next to the head's, same run: "
+                     + "; ".join(parts) + ".")
     details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
     if details:
         lines.append("Measured with " + ", ".join(details) + ".")
@@ -203,8 +211,20 @@ def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
     return list(DEFAULT_CARD_DATASETS)
 
 
+HEAD_ONLY_METHOD, HYBRID_METHOD = "dflash2_fast_head", "dflash2_fast"
+METHOD_NOTES = {
+    HEAD_ONLY_METHOD: "the head's own drafts, as vLLM and SGLang serve it",
+    HYBRID_METHOD: "hf_dflash2's fast loop with its default n-gram drafts next to the head's",
+}
+
+
 def card_results(report: dict, method: str) -> dict:
-    """The model card's results block for one method of a bench report."""
+    """The model card's results block for one method of a bench report. A report from before the
+    head-only method existed falls back to ``dflash2_fast``, whose drafts were then the head's alone.
+    Showing the head alone, the card also quotes the n-gram hybrid's numbers when the report has them."""
+    first = next(iter(report["datasets"].values()), {})
+    if method == HEAD_ONLY_METHOD and HEAD_ONLY_METHOD not in first and HYBRID_METHOD in first:
+        method = HYBRID_METHOD
     datasets = {}
     for name, methods in report["datasets"].items():
         if method in methods:
@@ -214,7 +234,14 @@ def card_results(report: dict, method: str) -> dict:
     if not datasets:
         raise ValueError(f"method {method!r} is not in this report (methods: {sorted(next(iter(report['datasets'].values())))})")
     settings = report["settings"]
+    also = {}
+    if method == HEAD_ONLY_METHOD:
+        also = {name: {"tau": methods[HYBRID_METHOD].get("tau"), "speedup": methods[HYBRID_METHOD].get("speedup_vs_ar")}
+                for name, methods in report["datasets"].items() if HYBRID_METHOD in methods}
     return {
+        "method": method,
+        **({"method_note": METHOD_NOTES[method]} if method in METHOD_NOTES and HEAD_ONLY_METHOD in first else {}),
+        **({"with_ngram_drafts": also} if also else {}),
         "datasets": datasets,
         "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
         "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
@@ -225,7 +252,7 @@ def card_results(report: dict, method: str) -> dict:
     }
 
 
-def load_card_results(path: str | Path | None, method: str = "dflash2_fast") -> dict | None:
+def load_card_results(path: str | Path | None, method: str = HEAD_ONLY_METHOD) -> dict | None:
     """A results JSON for the card: a ``hf-dflash2 bench`` report (turned into ``method``'s numbers) or a
     ready ``{"datasets": ...}`` block."""
     if path is None:

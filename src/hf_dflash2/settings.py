@@ -95,7 +95,9 @@ class DemoSettings(SamplingSettings):
 
 @dataclass
 class CardSettings:
-    method: str = field(default="dflash2_fast", metadata={"help": "with a bench report: whose numbers the card shows"})
+    method: str = field(default="dflash2_fast_head",
+                        metadata={"help": "with a bench report: whose numbers the card shows (default: the head's "
+                                          "own drafts; dflash2_fast adds n-gram drafts)"})
     results: str | None = field(default=None, metadata={"help": "JSON written by `hf-dflash2 bench`"})
 
     def __post_init__(self):
