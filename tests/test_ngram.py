@@ -176,3 +176,25 @@ def test_bad_ngram_size_is_refused_before_any_forward():
     drafter.ngram_size = -1
     with pytest.raises(ValueError, match="got -1"):
         target.generate(torch.tensor([[3, 4]]), assistant_model=drafter, max_new_tokens=4)
+
+
+def test_rounds_widen_for_ngram_drafts_only_under_the_adaptive_policy():
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = torch.tensor([[3, 4, 5, 3, 4]])
+    block = lambda **kw: speculative_generate(target, drafter, ids, max_new_tokens=4, **kw).stats.block_size  # noqa: E731
+    assert block() == 16
+    assert block(ngram_size=0) == block(adaptive=False) == block(verify_policy=ForcedVerifyLengths([2])) == 5
+    assert block(cost_model=CostModel([1.0] * 8, 0.1)) == 8  # never past what a given cost model covers
+    assert block(block_size=7) == 7
+    widths = []
+    original = drafter.draft_block
+
+    def recording(*args, **kwargs):
+        out = original(*args, **kwargs)
+        widths.append(out.tokens.shape[1])
+        return out
+
+    drafter.draft_block = recording
+    block(verify_policy=ForcedVerifyLengths([4]), block_size=16)
+    assert widths and set(widths) == {4}  # the head drafts within its own block of 5

@@ -55,7 +55,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices).
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
         self.ngram_size = getattr(drafter, "ngram_size", 3)
-        self.block_size = round_block_size(drafter, self.ngram_size, None, generation_config.max_length,
+        widen = getattr(drafter, "adaptive_verify", True) and getattr(drafter, "verify_policy", None) is None
+        self.block_size = round_block_size(drafter, self.ngram_size if widen else 0, None, generation_config.max_length,
                                            getattr(drafter, "verify_cost_model", None))
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)

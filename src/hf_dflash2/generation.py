@@ -280,11 +280,12 @@ def speculative_generate(
     the most recent earlier occurrence of their last ``n <= ngram_size`` tokens in the prompt or output,
     when the policy expects that to be accepted further than the head's draft (``stats.ngram_rounds``).
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
-    16 when n-gram drafts are on; the head always drafts within its own block.
+    16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
     """
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
-    block_size = round_block_size(drafter, ngram_size if isinstance(ngram_size, int) else 0, block_size, room,
-                                  cost_model)
+    # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
+    widen = isinstance(ngram_size, int) and adaptive and verify_policy is None
+    block_size = round_block_size(drafter, ngram_size if widen else 0, block_size, room, cost_model)
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
     if not isinstance(ngram_size, int) or not 0 <= ngram_size <= NGRAM_MAX:
         raise ValueError(f"ngram_size must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {ngram_size!r}")
