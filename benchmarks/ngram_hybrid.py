@@ -1,0 +1,108 @@
+"""Head alone vs head + n-gram drafts, deterministically: the same text, the same cost model.
+
+    python benchmarks/ngram_hybrid.py [--prompts 16] [--new-tokens 192] [--cost-dtype bf16]
+
+Wall-clock ratios in bf16 mix two effects: speculation, and bf16 near-ties that flip when a verify runs
+on another kernel path, after which the texts part (so each method decodes a different text). Here the
+target decodes in fp32, where every variant's output equals plain greedy, and each call's time is
+*modelled* from the cost model of ``--cost-dtype`` (measured or cached on this machine): every round costs
+verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
+nothing depends on timing noise. Variants: the head alone (block 8), head + n-gram drafts at block 8 and
+at block 16 (the default). Speedup = tokens x verify(1) / modelled time.
+Writes benchmarks/results/ngram_hybrid.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, chart_bars, save, table  # noqa: E402
+
+from hf_dflash2 import speculative_generate  # noqa: E402
+from hf_dflash2.assets import load_prompt_set  # noqa: E402
+from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, load_or_measure_cost_model  # noqa: E402
+from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
+from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
+
+VARIANTS = {
+    "head alone, block 8": {"ngram_size": 0, "block_size": 8},
+    "head + n-gram, block 8": {"ngram_size": 3, "block_size": 8},
+    "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=192)
+    parser.add_argument("--cost-dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--head", default=None)
+    args = parser.parse_args()
+    head_folder = args.head or default_head("smollm2-135m-dflash2")
+
+    timing_target, _ = load_target_for_decoding(args.cost_dtype, None, None)
+    widest = max(v["block_size"] for v in VARIANTS.values())
+    cost = load_or_measure_cost_model(timing_target, load_head(head_folder, timing_target), 1, widest)
+    del timing_target
+    target, tokenizer = load_target_for_decoding("fp32", None, None)
+    apply_chat_template_option(tokenizer, "auto")
+    head = load_head(head_folder, target)
+    draft_passes = [0]
+    draft_block = head.draft_block
+
+    def counted(*a, **k):
+        draft_passes[0] += 1
+        return draft_block(*a, **k)
+
+    head.draft_block = counted
+    verify = cost.verify_seconds
+    rows = []
+    for name in ("mtbench", "humaneval"):
+        prompts = load_prompt_set(name, args.prompts)
+        totals = {label: {"tokens": 0, "seconds": 0.0, "rounds": 0, "ngram_rounds": 0} for label in VARIANTS}
+        reference = None
+        for prompt in tqdm(prompts, desc=name, unit="prompt"):
+            ids = encode_prompt(tokenizer, prompt, target.device)
+            for label, settings in VARIANTS.items():
+                block = settings["block_size"]
+                policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
+                draft_passes[0] = 0
+                out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, verify_policy=policy,
+                                           block_size=block, ngram_size=settings["ngram_size"])
+                if label == next(iter(VARIANTS)):
+                    reference = out.sequences
+                elif not torch.equal(out.sequences, reference):
+                    raise AssertionError(f"{label}: fp32 output differs from the head-alone output on {name}")
+                histogram = out.stats.verify_length_histogram
+                total = totals[label]
+                total["tokens"] += int(out.num_generated.sum())
+                verifies = sum(c * verify[k] for k, c in enumerate(histogram))
+                total["seconds"] += verifies + draft_passes[0] * cost.draft_seconds
+                total["rounds"] += out.stats.rounds
+                total["ngram_rounds"] += out.stats.ngram_rounds
+        for label, total in totals.items():
+            rows.append({"set": name, "variant": label, "tau": round(total["tokens"] / total["rounds"], 3),
+                         "modelled_speedup": round(total["tokens"] * verify[0] / total["seconds"], 3),
+                         "ngram_rounds": f"{total['ngram_rounds']}/{total['rounds']}"})
+    columns = ["set", "variant", "tau", "modelled_speedup", "ngram_rounds"]
+    print(table(rows, columns))
+    command = "python benchmarks/ngram_hybrid.py " + " ".join(sys.argv[1:])
+    costs = [round(v / verify[0], 3) for v in verify] + [round(cost.draft_seconds / verify[0], 3)]
+    save("ngram_hybrid", {"command": command, "prompts_per_set": args.prompts, "new_tokens": args.new_tokens,
+                          "cost_dtype": args.cost_dtype, "cost_in_steps_verify_1_to_16_then_draft": costs,
+                          "rows": rows})
+    (RESULTS / "ngram_hybrid.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
+    labels = [f"{r['set']}\n{r['variant'].replace(', ', chr(10))}" for r in rows]
+    chart_bars(labels, [r["modelled_speedup"] for r in rows], "modelled speed / plain greedy",
+               f"head alone vs head + n-gram drafts ({args.cost_dtype} cost model, fp32 text)",
+               RESULTS / "ngram_hybrid.png")
+
+
+if __name__ == "__main__":
+    main()
