@@ -152,7 +152,7 @@ def test_streamer_stopping_criteria_and_dict_output(setup):
     # Transformers' assisted loop checks stopping criteria once per round, so a round that accepts several
     # drafts may end past the stop (as with any assistant); what it keeps is the target's own output.
     length = got.sequences.shape[1]
-    assert 15 <= length < 15 + drafter.config.block_size
+    assert 15 <= length <= ids.shape[1] + 20
     assert torch.equal(got.sequences, target.generate(ids, max_new_tokens=length - 6, do_sample=False))
     flat = lambda chunks: [t for c in chunks if c != "end" for t in c]
     assert flat(a.chunks) == ref.sequences[0].tolist() and b.chunks[-1] == "end"

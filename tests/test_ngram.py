@@ -44,6 +44,7 @@ def test_ngram_draft_equals_the_plain_python_rule():
         length = torch.randint(1, width + 1, (n_rows,), generator=generator).maximum(pad + 1)
         size_limit = 1 + trial % 4
         tokens, size = ngram_draft(history, length, 6, size_limit)
+        assert (tokens >= 0).all()  # never the padding marker, matched or not (it would index q)
         for r in range(n_rows):
             expected, n = reference_ngram(history[r].tolist(), int(length[r]), 6, size_limit)
             assert int(size[r]) == n, (trial, r)

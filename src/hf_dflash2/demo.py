@@ -75,6 +75,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         "identical_prefix_rate": agree / max(1, ar_tokens) if same is not None else None,
         "dtype": str(dtype).removeprefix("torch."),
         "verify_length_histogram": result.stats.verify_length_histogram,
+        "ngram_rounds": result.stats.ngram_rounds,
+        "rounds": result.stats.rounds,
     }
     lengths = ", ".join(f"k={k}: {n}" for k, n in enumerate(summary["verify_length_histogram"]) if n)
     print(
@@ -82,6 +84,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         f"{summary['dflash2_tokens_per_s']:.1f} tok/s, "
         f"tau = {summary['tau']:.2f} tokens per target forward"
         f"\n                    drafts verified per round (k = 0: a plain step): {lengths}"
+        f"\n                    rounds whose drafts came from an n-gram match (prompt lookup): "
+        f"{summary['ngram_rounds']} of {summary['rounds']}"
         f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s = {summary['ar_tokens_per_s']:.1f} tok/s"
         f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, "
         f"output identical to plain AR: {same}"

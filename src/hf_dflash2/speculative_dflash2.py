@@ -151,7 +151,8 @@ def ngram_draft(history: torch.Tensor, length: torch.Tensor, num_tokens: int, ng
     period = (length - start).clamp_min(1)
     offsets = torch.arange(num_tokens, device=device)
     index = (start[:, None] + offsets[None] % period[:, None]).clamp(0, width - 1)
-    return history.gather(1, index), size
+    last = history.gather(1, (length[:, None] - 1).clamp_min(0))  # rows without a match: a real token as filler
+    return torch.where(size[:, None] > 0, history.gather(1, index), last), size
 
 
 @dataclass
