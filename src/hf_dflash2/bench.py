@@ -140,7 +140,7 @@ class Runner:
                 self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
                 temperature=self.temperature or 1.0, top_k=self.top_k if self.sample else None,
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad,
-                ngram_size=0 if method == "dflash2_fast_head" else 3,
+                **({"ngram_size": 0} if method == "dflash2_fast_head" else {}),
             )
             generated, stats = int(result.num_generated.sum()), result.stats
         elif method == "dflash2_generate":

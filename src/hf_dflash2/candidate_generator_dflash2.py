@@ -19,9 +19,10 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cost_model_dflash2 import verify_policy_for
 from .speculative_dflash2 import (
-    NGRAM_MAX,
+    DEFAULT_NGRAM_SIZE,
     DraftContext,
     SpeculativeStats,
+    check_ngram_size,
     dense_proposal,
     propose,
     round_block_size,
@@ -42,8 +43,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     The policy comes from the drafter: ``drafter.verify_policy`` (a ``VerifyPolicy``, e.g.
     ``ForcedVerifyLengths``) if set, else adaptive unless ``drafter.adaptive_verify`` is False; a cost
     model can be given as ``drafter.verify_cost_model``. Rows may draft by prompt lookup instead (as
-    ``speculative_generate``'s ``ngram_size``): ``drafter.ngram_size`` (default 3, 0 turns it off). Statistics of the call are left on
-    ``drafter.last_speculative_stats``.
+    ``speculative_generate``'s ``ngram_size``): ``drafter.ngram_size`` (default 3, 0 turns it off).
+    Statistics of the call are left on ``drafter.last_speculative_stats``.
     """
 
     requires_model_outputs = True
@@ -54,7 +55,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.layer_ids = drafter.config.target_layer_ids
         # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices).
         self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
-        self.ngram_size = getattr(drafter, "ngram_size", 3)
+        self.ngram_size = getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE)
         widen = getattr(drafter, "adaptive_verify", True) and getattr(drafter, "verify_policy", None) is None
         self.block_size = round_block_size(drafter, self.ngram_size if widen else 0, None, generation_config.max_length,
                                            getattr(drafter, "verify_cost_model", None))
@@ -142,11 +143,7 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
         )
     if getattr(generation_config, "num_beams", 1) and generation_config.num_beams > 1:
         raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
-    ngram_size = getattr(drafter, "ngram_size", 3)
-    if not isinstance(ngram_size, int) or not 0 <= ngram_size <= NGRAM_MAX:
-        raise ValueError(
-            f"drafter.ngram_size must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {ngram_size!r}"
-        )
+    check_ngram_size(getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE), "drafter.ngram_size")
     drafter.bind_target(target)
     return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor)
 

@@ -2,8 +2,9 @@
 
 Reading order, as gpt-fast: ``prefill`` -> ``verify`` (one target forward over the anchor and ``k``
 drafts) -> ``speculative_decode`` (the round loop) -> ``speculative_generate`` (validation, policy,
-output). Per round: the drafter proposes ``B - 1`` tokens per row in one pass (skipped on rounds the
-verify policy turns into plain AR steps); the policy picks how many of them to verify
+output). Per round: the drafter proposes a block of tokens per row in one pass (skipped on rounds the
+verify policy turns into plain AR steps), and rows whose text repeats may take an n-gram draft instead
+(``speculative_dflash2.propose``); the policy picks how many of them to verify
 (``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]``; acceptance (greedy match or
 lossless rejection sampling), EOS and budget handling, output writes and the drafter's context
 (``DraftContext``, shared with the Transformers path) all stay on the device. The host reads one small
@@ -25,12 +26,13 @@ from transformers import DynamicCache
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .speculative_dflash2 import (
-    NGRAM_MAX,
+    DEFAULT_NGRAM_SIZE,
     DraftContext,
     Proposal,
     SpeculativeStats,
     accept_greedy,
     accept_sampling,
+    check_ngram_size,
     dense_proposal,
     last_position,
     process_logits,
@@ -264,7 +266,7 @@ def speculative_generate(
     adaptive: bool = True,
     verify_policy: VerifyPolicy | None = None,
     cost_model: CostModel | None = None,
-    ngram_size: int = 3,
+    ngram_size: int = DEFAULT_NGRAM_SIZE,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
@@ -282,13 +284,12 @@ def speculative_generate(
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
     16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
     """
+    check_ngram_size(ngram_size)
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
     # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
-    widen = isinstance(ngram_size, int) and adaptive and verify_policy is None
+    widen = adaptive and verify_policy is None
     block_size = round_block_size(drafter, ngram_size if widen else 0, block_size, room, cost_model)
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
-    if not isinstance(ngram_size, int) or not 0 <= ngram_size <= NGRAM_MAX:
-        raise ValueError(f"ngram_size must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {ngram_size!r}")
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
     n_rows = input_ids.shape[0]

@@ -104,7 +104,14 @@ def accept_sampling(
 
 
 NGRAM_MAX = 4  # longest n-gram a draft may be matched on (the policy keeps one calibration per size)
+DEFAULT_NGRAM_SIZE = 3
 NGRAM_BLOCK = 16  # a round may verify up to 15 n-gram drafts, even after a head trained on shorter blocks
+
+
+def check_ngram_size(value, name: str = "ngram_size") -> None:
+    """A clear error before any forward pass for an n-gram size outside 0..NGRAM_MAX."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= NGRAM_MAX:
+        raise ValueError(f"{name} must be an integer in 0..{NGRAM_MAX} (0: no n-gram drafts), got {value!r}")
 
 
 def round_block_size(drafter, ngram_size: int, block_size: int | None = None, room: int | None = None,
@@ -144,15 +151,15 @@ def ngram_draft(history: torch.Tensor, length: torch.Tensor, num_tokens: int, ng
         begins = torch.arange(windows.shape[1], device=device)
         found = (windows == suffix[:, None]).all(-1) & (begins[None] + n < length[:, None])
         found &= (suffix >= 0).all(-1, keepdim=True)
-        last = torch.where(found, begins[None], -1).amax(-1)  # the most recent match, -1 if none
-        take = (size == 0) & (last >= 0)
+        latest = torch.where(found, begins[None], -1).amax(-1)  # the most recent match, -1 if none
+        take = (size == 0) & (latest >= 0)
         size = torch.where(take, n, size)
-        start = torch.where(take, last + n, start)
+        start = torch.where(take, latest + n, start)
     period = (length - start).clamp_min(1)
     offsets = torch.arange(num_tokens, device=device)
     index = (start[:, None] + offsets[None] % period[:, None]).clamp(0, width - 1)
-    last = history.gather(1, (length[:, None] - 1).clamp_min(0))  # rows without a match: a real token as filler
-    return torch.where(size[:, None] > 0, history.gather(1, index), last), size
+    final_token = history.gather(1, (length[:, None] - 1).clamp_min(0))  # rows without a match: a real token
+    return torch.where(size[:, None] > 0, history.gather(1, index), final_token), size
 
 
 @dataclass
@@ -223,12 +230,7 @@ def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
     filler = anchor[:, None].expand(-1, extra)
     q_ids = q_probs = None
     if draft.q_ids is not None:
-        if draft.q_ids.shape[-1] == vocab_size:
-            filler_ids, filler_probs = one_hot_proposal(filler, draft.q_ids[:, :1].expand(-1, extra, -1), vocab_size)
-        else:
-            filler_ids = filler[..., None].expand(-1, -1, draft.q_ids.shape[-1])
-            filler_probs = torch.zeros(filler_ids.shape, dtype=torch.float32, device=anchor.device)
-            filler_probs[..., 0] = 1.0
+        filler_ids, filler_probs = one_hot_proposal(filler, draft.q_ids[:, :1].expand(-1, extra, -1), vocab_size)
         q_ids = torch.cat([draft.q_ids, filler_ids], dim=1)
         q_probs = torch.cat([draft.q_probs.float(), filler_probs], dim=1)
     confidence = torch.cat([draft.confidence.float(), draft.confidence.new_zeros(anchor.shape[0], extra).float()], 1)
@@ -241,6 +243,7 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     """One round's drafts after ``anchor`` / ``anchor_pos`` [N]: the head's draft pass if the policy wants
     it, n-gram matches against ``history`` [N, T] / ``length`` [N] if ``ngram_size``, each row from the
     source the policy prefers -> (proposal, or None for a plain step; whether the head drafted)."""
+    vocab = drafter.bound_target.lm_head_weight.shape[0]
     ngram_tokens = ngram_sizes = None
     if ngram_size:
         with record_function("dflash2::ngram"):
@@ -251,13 +254,12 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
                                         temperature, generator, min(block_size, drafter.config.block_size))
         if draft.tokens.shape[1] < block_size - 1:  # the round is wider than the head's own block
-            draft = _padded(draft, block_size - 1, anchor, drafter.bound_target.lm_head_weight.shape[0])
+            draft = _padded(draft, block_size - 1, anchor, vocab)
     elif ngram_tokens is None or not policy.wants_ngram():
         return None, False
     use_ngram = None
     if ngram_tokens is not None:
         use_ngram = policy.use_ngram(None if draft is None else draft.confidence, ngram_sizes)
-    vocab = drafter.bound_target.lm_head_weight.shape[0]
     return make_proposal(draft, ngram_tokens, ngram_sizes, use_ngram, anchor, vocab), draft is not None
 
 
