@@ -8,7 +8,8 @@ target decodes in fp32, where every variant's output equals plain greedy, and ea
 *modelled* from the cost model of ``--cost-dtype`` (measured or cached on this machine): every round costs
 verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
 nothing depends on timing noise. Variants: the head alone (block 8), head + n-gram drafts at block 8 and
-at block 16 (the default). Speedup = tokens x verify(1) / modelled time.
+at block 16, each round verifying one source per row, and at block 16 with two-branch trees where both
+drafts exist (``draft_tree``, the default). Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/ngram_hybrid.{json,md,png}.
 """
 
@@ -31,9 +32,10 @@ from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
 
 VARIANTS = {
-    "head alone, block 8": {"ngram_size": 0, "block_size": 8},
-    "head + n-gram, block 8": {"ngram_size": 3, "block_size": 8},
-    "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16},
+    "head alone, block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": False},
+    "head + n-gram, block 8": {"ngram_size": 3, "block_size": 8, "draft_tree": False},
+    "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
+    "head + n-gram, block 16, trees": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
 }
 
 
@@ -65,7 +67,8 @@ def main() -> None:
     rows = []
     for name in ("mtbench", "humaneval"):
         prompts = load_prompt_set(name, args.prompts)
-        totals = {label: {"tokens": 0, "seconds": 0.0, "rounds": 0, "ngram_rounds": 0} for label in VARIANTS}
+        totals = {label: {"tokens": 0, "seconds": 0.0, "rounds": 0, "ngram_rounds": 0, "tree_rounds": 0}
+                  for label in VARIANTS}
         reference = None
         for prompt in tqdm(prompts, desc=name, unit="prompt"):
             ids = encode_prompt(tokenizer, prompt, target.device)
@@ -74,7 +77,8 @@ def main() -> None:
                 policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
                 draft_passes[0] = 0
                 out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, verify_policy=policy,
-                                           block_size=block, ngram_size=settings["ngram_size"])
+                                           block_size=block, ngram_size=settings["ngram_size"],
+                                           draft_tree=settings["draft_tree"])
                 if label == next(iter(VARIANTS)):
                     reference = out.sequences
                 elif not torch.equal(out.sequences, reference):
@@ -86,11 +90,13 @@ def main() -> None:
                 total["seconds"] += verifies + draft_passes[0] * cost.draft_seconds
                 total["rounds"] += out.stats.rounds
                 total["ngram_rounds"] += out.stats.ngram_rounds
+                total["tree_rounds"] += out.stats.tree_rounds
         for label, total in totals.items():
             rows.append({"set": name, "variant": label, "tau": round(total["tokens"] / total["rounds"], 3),
                          "modelled_speedup": round(total["tokens"] * verify[0] / total["seconds"], 3),
-                         "ngram_rounds": f"{total['ngram_rounds']}/{total['rounds']}"})
-    columns = ["set", "variant", "tau", "modelled_speedup", "ngram_rounds"]
+                         "ngram_rounds": f"{total['ngram_rounds']}/{total['rounds']}",
+                         "tree_rounds": f"{total['tree_rounds']}/{total['rounds']}"})
+    columns = ["set", "variant", "tau", "modelled_speedup", "ngram_rounds", "tree_rounds"]
     print(table(rows, columns))
     command = "python benchmarks/ngram_hybrid.py " + " ".join(sys.argv[1:])
     costs = [round(v / verify[0], 3) for v in verify] + [round(cost.draft_seconds / verify[0], 3)]

@@ -332,6 +332,16 @@ class VerifyPolicy:
                 source: torch.Tensor | None = None) -> None:
         pass
 
+    #: Whether ``choose_tree`` may be asked, on greedy rounds where both the head and n-gram drafts exist.
+    plans_trees = False
+
+    def choose_tree(self, head_confidence: torch.Tensor, ngram_size: torch.Tensor,
+                    shared: torch.Tensor) -> torch.Tensor:
+        """[2] (kh, kg): verify the head's first kh drafts and the n-gram's first kg as two branches of
+        one tree (``draft_tree``); kg = 0 is a linear head round, kh = 0 a linear n-gram round, (0, 0) a
+        plain step. ``shared`` [N]: the common prefix of the two drafts per row."""
+        raise NotImplementedError
+
 
 class FixedVerifyLength(VerifyPolicy):
     """Verify every drafted token, every round (``adaptive=False``)."""
@@ -503,7 +513,38 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         a = self._acceptance(confidence, source)  # [N, S]
         reach = a.cumprod(dim=-1)
         expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
-        rows = confidence.shape[0]
+        size = torch.arange(self.block_size, device=expected.device)
+        return self._best_plan(expected, size, confidence.shape[0], drafted)
+
+    plans_trees = True
+
+    def choose_tree(self, head_confidence, ngram_size, shared):
+        """Expected committed tokens of each (kh, kg), per row: depths both branches share count once
+        (the likelier estimate), deeper ones add (the branches differ there, so at most one is accepted)."""
+        self._head_drafted = True
+        s = self.block_size - 1
+        rows = head_confidence.shape[0]
+        ones = torch.ones(rows, s, device=head_confidence.device)
+        head_reach = self._acceptance(head_confidence, None).cumprod(-1)  # [N, S]
+        ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
+        depth = torch.arange(1, s + 1, device=ones.device)
+        lengths = torch.arange(s + 1, device=ones.device)
+        within = (depth[None] <= lengths[:, None]).float()  # [S + 1 lengths, S depths]
+        head = head_reach[:, None, None, :] * within[None, :, None, :]  # [N, kh, kg, depth]
+        ngram = ngram_reach[:, None, None, :] * within[None, None, :, :]
+        both = (depth[None] <= shared[:, None])[:, None, None, :]
+        expected = (1.0 + torch.where(both, head.maximum(ngram), head + ngram).sum(-1)).sum(0)  # [S + 1, S + 1]
+        overlap = torch.minimum(shared.min(), torch.minimum(lengths[:, None], lengths[None, :]))
+        size = lengths[:, None] + lengths[None, :] - overlap  # drafts in the tree
+        plan = self._best_plan(expected.flatten(), size.flatten(), rows, True)
+        return torch.stack([plan // (s + 1), plan % (s + 1)])
+
+    def _best_plan(self, expected: torch.Tensor, size: torch.Tensor, rows: int, drafted: bool) -> torch.Tensor:
+        """Index of the best plan among candidates with ``expected`` committed tokens (summed over rows) and
+        ``size`` drafted tokens verified (plans wider than the block are out; a size-0 plan is a step)."""
+        s = self.block_size - 1
+        fits = size <= s
+        size = size.clamp(max=s)
         # Drafting pays when some k commits tokens faster than plain steps, draft time included; then the
         # best such rate picks k. When it does not pay, the draft is spent anyway: k then only trades verify
         # time for tokens beyond what plain steps would commit in it (k = 0 gains nothing), so a weak draft
@@ -515,14 +556,13 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         rho = self.measured_cost_ratio
         draft_seconds = self.cost.draft_seconds if drafted else 0.0
         drafted_cost = ((self._verify_cost + draft_seconds) * rho).clamp(min=self._step_cost + draft_seconds)
-        rate = expected / drafted_cost  # [S + 1]
-        rate[0] = 0.0
+        rate = torch.where((size > 0) & fits, expected / drafted_cost[size], 0.0)
         best_rate = rate.argmax()
         self._paid = rate[best_rate] > rows / self._step_cost
         if not drafted:
             return torch.where(self._paid, best_rate, 0)
         extra_verify = (self._verify_cost - self._step_cost) * rho / self._step_cost  # >= 0: costs are monotone
-        gain = expected - rows * (1.0 + extra_verify)
+        gain = torch.where(fits, expected - rows * (1.0 + extra_verify[size]), -torch.inf)
         return torch.where(self._paid, best_rate, gain.argmax())
 
     def chosen(self, k: int, head_used: bool = True) -> None:

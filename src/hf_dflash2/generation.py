@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
+from .draft_tree import DraftTree, accept_tree, build_tree, common_prefix, move_path_to_front, supports_trees, tree_attention_mask
 from .speculative_dflash2 import (
     DEFAULT_NGRAM_SIZE,
     DraftContext,
@@ -182,18 +183,24 @@ def prefill(target, drafter, input_ids, attention_mask, capacity: int):
     return cache, context, out.logits[:, -1].float()
 
 
-def verify(target, layer_ids, cache, context: DraftContext, ids: torch.Tensor, positions: torch.Tensor):
+def verify(target, layer_ids, cache, context: DraftContext, ids: torch.Tensor, positions: torch.Tensor,
+           tree: DraftTree | None = None):
     """One target forward over ``ids`` [N, w] (anchor + drafts) at ``positions`` [N, w], seeing the
-    context's valid slots -> (float logits [N, w, V], tapped features [N, w, taps * H])."""
-    out = target(input_ids=ids, attention_mask=context.verify_mask(ids.shape[1]), position_ids=positions,
+    context's valid slots (and, for a ``tree``, each slot its own branch only) -> (float logits
+    [N, w, V], tapped features [N, w, taps * H])."""
+    mask = context.verify_mask(ids.shape[1])
+    if tree is not None:
+        mask = tree_attention_mask(mask, tree, target.config._attn_implementation, target.dtype)
+    out = target(input_ids=ids, attention_mask=mask, position_ids=positions,
                  cache=cache, use_cache=True, output_hidden_states=[i + 1 for i in layer_ids])
     return out.logits.float(), tapped_features(out.hidden_states, layer_ids)
 
 
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
-                       streamer=None, ngram_size: int = 0) -> None:
-    """Rounds of draft -> host read -> verify -> accept until every row has finished."""
+                       streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
+    """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``
+    (greedy only), a round where the head drafted and n-gram drafts exist may verify both (``draft_tree``)."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
@@ -203,17 +210,20 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       sampler.draft_temperature, sampler.generator, ngram_size, history, length)
-        k = 0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted)
-        # The one host read per round: any row running, all rows running, trailing slots no row needs, k,
-        # and whether any row took the head's draft.
-        any_running, all_running, crop, k, head_used = torch.stack([
+        tree_round = trees and head_drafted and draft.ngram_tokens is not None
+        if tree_round:  # (kh, kg, the batch's shared prefix): how far to verify each branch
+            shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
+            plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared), shared.min()]
+        else:  # (k, -, -)
+            plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0]
+        # The one host read per round: any row running, all rows running, trailing slots no row needs, the
+        # plan, and whether any row took the head's draft.
+        any_running, all_running, crop, k, k_ngram, shared, head_used = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
-            torch.as_tensor(k, device=unused_tail.device).long(),
+            *(torch.as_tensor(x, device=no.device).long() for x in plan),
             (no if draft is None else draft.uses_head).long()]).tolist()
         if not any_running:
             return
-        if draft is not None:
-            policy.chosen(k, bool(head_used))
         if crop > 0:
             cache.crop(-crop)
             context.crop(crop)
@@ -225,17 +235,50 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             if draft is not None:
                 draft = draft.select(keep)
 
-        drafts = draft.tokens[:, :k] if k else rows.anchor[:, None][:, :0]
-        ids = torch.cat([rows.anchor[:, None], drafts], dim=1)
-        positions = rows.anchor_pos[:, None] + offsets[: k + 1]
-        with record_function("dflash2::verify"):
-            logits, features = verify(target, layer_ids, cache, context, ids, positions)
+        tree = None
+        if tree_round:
+            shared = min(shared, k, k_ngram)
+            head_used = k > 0
+            if k_ngram > shared and k == 0:  # the n-gram branch alone, as a linear round
+                matched = draft.ngram_size > 0
+                draft = Proposal(draft.ngram_tokens, matched[:, None].float().expand_as(draft.ngram_tokens),
+                                 torch.where(matched, draft.ngram_size, -1))
+                k = k_ngram
+            elif k_ngram <= shared:  # the n-gram branch adds nothing: the head's draft alone
+                draft = Proposal(draft.head_tokens, draft.head_confidence, torch.zeros_like(draft.ngram_size))
+            else:
+                tree = build_tree(draft.head_tokens, k, draft.ngram_tokens, k_ngram, shared, block_size)
+        if draft is not None:
+            policy.chosen(k if tree is None else tree.width - 1, bool(head_used))
+
+        if tree is None:
+            drafts = draft.tokens[:, :k] if k else rows.anchor[:, None][:, :0]
+            ids = torch.cat([rows.anchor[:, None], drafts], dim=1)
+            positions = rows.anchor_pos[:, None] + offsets[: k + 1]
+            with record_function("dflash2::verify"):
+                logits, features = verify(target, layer_ids, cache, context, ids, positions)
+            with record_function("dflash2::accept"):
+                accepted, tokens = sampler.accept(drafts, draft, logits)
+                source = None if draft is None else draft.source
+                policy.observe(None if draft is None else draft.confidence, k, accepted, source)
+        else:
+            k = tree.width - 1
+            ids = torch.cat([rows.anchor[:, None], tree.tokens], dim=1)
+            with record_function("dflash2::verify"):
+                logits, features = verify(target, layer_ids, cache, context, ids,
+                                          rows.anchor_pos[:, None] + tree.depth[None], tree)
+            with record_function("dflash2::accept"):
+                result = accept_tree(tree, logits)
+                features = move_path_to_front(cache, features, result.order)  # as if the path was verified alone
+                positions = rows.anchor_pos[:, None] + offsets[: k + 1]
+                accepted, tokens = result.accepted, result.tokens
+                ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)
+                policy.observe(draft.head_confidence, tree.head_length, result.head_accepted, torch.zeros_like(accepted))
+                policy.observe(torch.ones_like(draft.head_confidence), k_ngram, result.ngram_accepted, ngram_source)
+                source = torch.where(result.ngram_won, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
-            accepted, tokens = sampler.accept(drafts, draft, logits)
-            source = None if draft is None else draft.source
-            policy.observe(None if draft is None else draft.confidence, k, accepted, source)
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
-            stats.record(accepted, written, verified=k, source=source)
+            stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
         if streamer is not None:
             streamer.put(tokens[0, : int(written[0])].cpu())
 
@@ -267,6 +310,7 @@ def speculative_generate(
     verify_policy: VerifyPolicy | None = None,
     cost_model: CostModel | None = None,
     ngram_size: int = DEFAULT_NGRAM_SIZE,
+    draft_tree: bool = True,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
@@ -283,6 +327,8 @@ def speculative_generate(
     when the policy expects that to be accepted further than the head's draft (``stats.ngram_rounds``).
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
     16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
+    ``draft_tree`` (greedy, adaptive policy, n-gram drafts on): a round may verify the head's draft and
+    the n-gram's as two branches of one forward and keep the one accepted further (``stats.tree_rounds``).
     """
     check_ngram_size(ngram_size)
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
@@ -319,8 +365,9 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
+    trees = draft_tree and not do_sample and ngram_size > 0 and policy.plans_trees and supports_trees(target, cache)
     speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
-                       ngram_size)
+                       ngram_size, trees)
     if streamer is not None:
         streamer.end()
     width = int(output.count.max())

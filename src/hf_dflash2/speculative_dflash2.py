@@ -169,7 +169,9 @@ class Proposal:
     tokens: [N, S]; confidence: [N, S] (the head's, 1 for n-gram tokens, 0 where a row has no draft);
     source: [N] 0 = the head, n >= 1 = an n-gram match of n tokens, -1 = no draft; q_ids / q_probs:
     [N, S, K] the proposal distribution as ``DraftOutput`` (one-hot on n-gram rows), None when greedy
-    without a head draft.
+    without a head draft. When the head drafted and n-gram drafts were looked up, both come as they were
+    before the per-row choice too (head_tokens / head_confidence [N, S], ngram_tokens [N, S], ngram_size
+    [N]), so that a greedy round may verify both as a tree (``draft_tree``).
     """
 
     tokens: torch.Tensor
@@ -177,6 +179,10 @@ class Proposal:
     source: torch.Tensor
     q_ids: torch.Tensor | None = None
     q_probs: torch.Tensor | None = None
+    head_tokens: torch.Tensor | None = None
+    head_confidence: torch.Tensor | None = None
+    ngram_tokens: torch.Tensor | None = None
+    ngram_size: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "Proposal":
         return Proposal(*(None if t is None else t[rows] for t in vars(self).values()))
@@ -220,7 +226,8 @@ def make_proposal(draft, ngram_tokens: torch.Tensor | None, ngram_size: torch.Te
         ngram_ids, ngram_probs = one_hot_proposal(ngram_tokens, q_ids, vocab_size)
         q_ids = torch.where(use[..., None], ngram_ids, q_ids)
         q_probs = torch.where(use[..., None], ngram_probs, q_probs.float())
-    return Proposal(tokens, confidence, torch.where(use[:, 0], ngram_size, 0), q_ids, q_probs)
+    return Proposal(tokens, confidence, torch.where(use[:, 0], ngram_size, 0), q_ids, q_probs,
+                    draft.tokens, draft.confidence.float(), ngram_tokens, ngram_size)
 
 
 def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
@@ -360,7 +367,7 @@ class SpeculativeStats:
         self.block_size = block_size
         self._joint = None  # [B, B] rounds by (drafts verified, drafts accepted)
         self._committed = None
-        self._ngram = None  # [2]: rows x rounds that verified n-gram drafts, drafts of theirs accepted
+        self._ngram = None  # [3]: rows x rounds that verified n-gram drafts, drafts of theirs accepted, tree rounds
 
     def record(
         self,
@@ -369,15 +376,17 @@ class SpeculativeStats:
         active: torch.Tensor | None = None,
         verified: int | None = None,
         source: torch.Tensor | None = None,
+        tree: bool = False,
     ) -> None:
         """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified;
         verified: drafted tokens verified this round (``B - 1`` when not given); source: [N] where each
-        row's drafts came from (``Proposal.source``: n >= 1 an n-gram match)."""
+        row's drafts came from (``Proposal.source``: n >= 1 an n-gram match; for a tree, the branch that
+        was accepted further); tree: the round verified two branches (``draft_tree``)."""
         b = self.block_size
         if self._joint is None:
             self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
             self._committed = torch.zeros((), dtype=torch.long, device=accepted.device)
-            self._ngram = torch.zeros(2, dtype=torch.long, device=accepted.device)
+            self._ngram = torch.zeros(3, dtype=torch.long, device=accepted.device)
         weight = torch.ones_like(accepted, dtype=torch.long) if active is None else active.long()
         verified = b - 1 if verified is None else min(max(int(verified), 0), b - 1)
         accepted = accepted.long().clamp(0, verified)
@@ -385,7 +394,7 @@ class SpeculativeStats:
         self._committed += (committed.long() * weight).sum()
         if source is not None and verified > 0:
             ngram = (source > 0).long() * weight
-            self._ngram += torch.stack([ngram.sum(), (ngram * accepted).sum()])
+            self._ngram += torch.stack([ngram.sum(), (ngram * accepted).sum(), weight.sum() * tree])
 
     def _joint_table(self) -> list[list[int]]:
         b = self.block_size
@@ -427,6 +436,11 @@ class SpeculativeStats:
     @property
     def ngram_accepted(self) -> int:
         return int(self._ngram[1]) if self._ngram is not None else 0
+
+    @property
+    def tree_rounds(self) -> int:
+        """Rows x rounds that verified the head's and an n-gram's drafts as two branches of one forward."""
+        return int(self._ngram[2]) if self._ngram is not None else 0
 
     @property
     def acceptance_length(self) -> float:
@@ -474,10 +488,11 @@ class SpeculativeStats:
             "verified_accepted": self._joint_table(),
             "ngram_rounds": self.ngram_rounds,
             "ngram_accepted": self.ngram_accepted,
+            "tree_rounds": self.tree_rounds,
         }
 
     def __repr__(self) -> str:
         return (
             f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted}, "
-            f"ngram_rounds={self.ngram_rounds}, verify_lengths={self.verify_length_histogram})"
+            f"ngram_rounds={self.ngram_rounds}, tree_rounds={self.tree_rounds}, verify_lengths={self.verify_length_histogram})"
         )
