@@ -53,6 +53,14 @@ On rounds the head does not draft (back-off, or n-gram drafts won the last round
 verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
 is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
 
+Draft trees (greedy rounds of the fast loop where the head drafted and a row matched an n-gram;
+``draft_tree``): ``choose_tree`` plans how far to verify each branch, ``(kh, kg)``, over the same rate.
+Both branches hang from the anchor and differ after their common prefix, so at most one of them is
+accepted past it: the expected committed tokens add the two branches' reach beyond the shared depths and
+take the likelier estimate within them; the cost is that of verifying the tree's ``kh + kg - shared``
+drafts. ``kg = 0`` or ``kh = 0`` is a linear round of one source, ``(0, 0)`` a plain step. Each branch's
+own accepted run feeds its source's calibration, so a tree round calibrates both.
+
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
 temperature > 0 the drafter's confidence is the per-position max probability of its unary distribution,
@@ -394,6 +402,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     rounds in a row n-gram drafts may win before the head drafts again to compete.
     """
 
+    plans_trees = True
+
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
                  probe_overhead: float = 0.03, prior_ratio: float = 0.5,
                  clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
@@ -515,8 +525,6 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         expected = (1.0 + torch.cat([reach.new_zeros(reach.shape[0], 1), reach.cumsum(dim=-1)], dim=-1)).sum(0)
         size = torch.arange(self.block_size, device=expected.device)
         return self._best_plan(expected, size, confidence.shape[0], drafted)
-
-    plans_trees = True
 
     def choose_tree(self, head_confidence, ngram_size, shared):
         """Expected committed tokens of each (kh, kg), per row: depths both branches share count once

@@ -76,6 +76,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         "dtype": str(dtype).removeprefix("torch."),
         "verify_length_histogram": result.stats.verify_length_histogram,
         "ngram_rounds": result.stats.ngram_rounds,
+        "tree_rounds": result.stats.tree_rounds,
         "rounds": result.stats.rounds,
     }
     lengths = ", ".join(f"k={k}: {n}" for k, n in enumerate(summary["verify_length_histogram"]) if n)
@@ -86,6 +87,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         f"\n                    drafts verified per round (k = 0: a plain step): {lengths}"
         f"\n                    rounds whose drafts came from an n-gram match (prompt lookup): "
         f"{summary['ngram_rounds']} of {summary['rounds']}"
+        f"\n                    rounds that verified the head's and an n-gram's drafts as two branches: "
+        f"{summary['tree_rounds']} of {summary['rounds']}"
         f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s = {summary['ar_tokens_per_s']:.1f} tok/s"
         f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, "
         f"output identical to plain AR: {same}"

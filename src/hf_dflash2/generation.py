@@ -5,7 +5,8 @@ drafts) -> ``speculative_decode`` (the round loop) -> ``speculative_generate`` (
 output). Per round: the drafter proposes a block of tokens per row in one pass (skipped on rounds the
 verify policy turns into plain AR steps), and rows whose text repeats may take an n-gram draft instead
 (``speculative_dflash2.propose``); the policy picks how many of them to verify
-(``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]``; acceptance (greedy match or
+(``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]`` (on greedy rounds where both
+sources drafted, possibly both as two branches of one tree, ``draft_tree``); acceptance (greedy match or
 lossless rejection sampling), EOS and budget handling, output writes and the drafter's context
 (``DraftContext``, shared with the Transformers path) all stay on the device. The host reads one small
 tensor per round, after the draft: any row still running, all rows running, how many trailing cache
