@@ -7,9 +7,10 @@ on another kernel path, after which the texts part (so each method decodes a dif
 target decodes in fp32, where every variant's output equals plain greedy, and each call's time is
 *modelled* from the cost model of ``--cost-dtype`` (measured or cached on this machine): every round costs
 verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
-nothing depends on timing noise. Variants: the head alone (block 8), head + n-gram drafts at block 8 and
-at block 16, each round verifying one source per row, and at block 16 with two-branch trees where both
-drafts exist (``draft_tree``, the default). Speedup = tokens x verify(1) / modelled time.
+nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
+head's chain with its runner-up first tokens as a tree (block 8), head + n-gram drafts at block 16 with
+one source per row, and the default: head + n-gram + runner-ups verified as one tree (``draft_tree``).
+Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/ngram_hybrid.{json,md,png}.
 """
 
@@ -33,9 +34,9 @@ from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_
 
 VARIANTS = {
     "head alone, block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": False},
-    "head + n-gram, block 8": {"ngram_size": 3, "block_size": 8, "draft_tree": False},
+    "head + runner-ups (trees), block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": True},
     "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
-    "head + n-gram, block 16, trees": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
+    "head + n-gram + runner-ups (trees), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
 }
 
 

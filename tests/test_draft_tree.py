@@ -38,33 +38,42 @@ def walk(drafts: list[int], argmax_along: list[int]) -> int:
 
 def test_accept_tree_equals_walking_each_branch():
     generator = torch.Generator().manual_seed(0)
-    for trial in range(60):
-        n, vocab = 4, 2 + trial % 3  # a small vocabulary, so that drafts often match
-        kh, kg = 1 + trial % 5, 1 + (trial // 5) % 7
+    checked = 0
+    for trial in range(90):
+        n, vocab = 4, 3 + trial % 3  # a small vocabulary, so that drafts often match
+        kh, kg, ka = trial % 5, (trial // 5) % 7, trial % 3
         head = torch.randint(0, vocab, (n, 7), generator=generator)
         ngram = torch.randint(0, vocab, (n, 9), generator=generator)
+        # runner-ups differ from both first tokens, as ``runner_up_tokens`` makes them
+        runner_ups = torch.stack([torch.tensor([t for t in range(vocab) if t not in (int(head[r, 0]), int(ngram[r, 0]))]
+                                               [:1] * 2) for r in range(n)])
         shared = int(common_prefix(head[:, :kh], ngram[:, :kh]).min()) if trial % 2 else 0
-        if kg <= min(shared, kh, kg):
+        c = min(shared, kh, kg)
+        if kg <= c and ka == 0:
             continue
-        tree = build_tree(head, kh, ngram, kg, shared)
+        tree = build_tree(head, kh, ngram, kg, shared, runner_ups, ka)
         logits = torch.randn(n, tree.width, vocab, generator=generator)
         result = accept_tree(tree, logits)
         argmax = logits.argmax(-1)
-        c = min(shared, kh, kg)
+        ngram_end = kh + 1 + kg - c
         for r in range(n):
             head_slots = list(range(kh + 1))  # slot of the head branch's i-th draft is i
-            ngram_slots = list(range(c + 1)) + list(range(kh + 1, tree.width))  # the n-gram's i-th: shared, then its own
+            ngram_slots = list(range(c + 1)) + list(range(kh + 1, ngram_end))  # the n-gram's i-th: shared, then its own
             a_head = walk(head[r, :kh].tolist(), [int(argmax[r, s]) for s in head_slots])
             ngram_drafts = head[r, :c].tolist() + ngram[r, c:kg].tolist()
             a_ngram = walk(ngram_drafts, [int(argmax[r, s]) for s in ngram_slots])
+            a_runner = [int(runner_ups[r, i]) == int(argmax[r, 0]) for i in range(ka)]
             assert int(result.head_accepted[r]) == a_head, (trial, r)
             assert int(result.ngram_accepted[r]) == a_ngram, (trial, r)
-            won = a_ngram > a_head
-            slots = ngram_slots if won else head_slots
-            accepted = max(a_head, a_ngram)
-            assert int(result.accepted[r]) == accepted and bool(result.ngram_won[r]) == won, (trial, r)
+            assert result.alternative_accepted[r].tolist() == a_runner, (trial, r)
+            candidates = [(a_head, 0, head_slots), (a_ngram, 1, ngram_slots)]
+            candidates += [(1, 2, [0, ngram_end + i]) for i in range(ka) if a_runner[i]]
+            accepted, winner, slots = max(candidates, key=lambda c: c[0])  # ties: the first (the head)
+            assert int(result.accepted[r]) == accepted and int(result.winner[r]) == winner, (trial, r)
             assert result.order[r, : accepted + 1].tolist() == slots[: accepted + 1], (trial, r)
             assert result.tokens[r, : accepted + 1].tolist() == [int(argmax[r, s]) for s in slots[: accepted + 1]]
+            checked += 1
+    assert checked > 200
 
 
 def test_tree_mask_shows_each_slot_its_own_branch():
@@ -107,7 +116,7 @@ def test_cache_after_a_tree_equals_a_linear_verify_of_the_accepted_path():
     logits, features = verify(target, layer_ids, cache, context, torch.cat([anchor[:, None], tree.tokens], 1),
                               anchor_pos[:, None] + tree.depth[None], tree)
     result = accept_tree(tree, logits)
-    assert result.accepted.tolist() == [6, 4] and result.ngram_won.tolist() == [True, False]
+    assert result.accepted.tolist() == [6, 4] and result.winner.tolist() == [1, 0]
     moved = move_path_to_front(cache, features, result.order)
     # The reference: a linear verify of the path (anchor + accepted drafts) on a fresh prefill.
     ref_cache, ref_context, _ = prefill(target, drafter, prompt, mask, 64)
@@ -134,18 +143,21 @@ class ForcedTrees(VerifyPolicy):
         self.round = 0
         return super().start(block_size)
 
-    def choose_tree(self, head_confidence, ngram_size, shared):
-        kh, kg = self.plans[self.round % len(self.plans)]
+    def choose_tree(self, head_confidence, ngram_size, shared, alternative_probs=None):
+        kh, kg, ka = self.plans[self.round % len(self.plans)]
         self.round += 1
         kh = min(kh, self.block_size - 1)
-        kg = min(kg, self.block_size - 1 - kh + min(int(shared.min()), kh, kg))  # the tree fits the block
-        return torch.tensor([kh, kg])
+        ka = min(ka, self.block_size - 1 - kh)
+        kg = min(kg, self.block_size - 1 - kh - ka + min(int(shared.min()), kh, kg))  # the tree fits the block
+        return torch.tensor([kh, kg, ka])
 
 
-@pytest.mark.parametrize("plans", [[(3, 4)], [(2, 6), (0, 5), (4, 0), (0, 0), (1, 1)], [(4, 9)]])
+@pytest.mark.parametrize("plans", [[(3, 4, 0)], [(2, 6, 1), (0, 5, 0), (4, 0, 0), (0, 0, 0), (1, 1, 3), (0, 0, 2)],
+                                   [(4, 9, 2)], [(3, 0, 3)]])
 def test_forced_tree_rounds_keep_greedy_identity(plans):
-    """Batch 3, left padded, prompts that repeat so n-gram drafts exist; plans include a linear n-gram
-    round (0, kg), a linear head round (kh, 0), a plain step and trees whose branches share a prefix."""
+    """Batch 3, left padded, prompts that repeat so n-gram drafts exist; plans (kh, kg, ka) include a
+    linear n-gram round (0, kg, 0), a linear head round (kh, 0, 0), a plain step, runner-ups alone and
+    trees whose chains share a prefix."""
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
     generator = torch.Generator().manual_seed(3)
@@ -162,14 +174,15 @@ def test_forced_tree_rounds_keep_greedy_identity(plans):
 
 
 def test_trees_only_where_they_are_exact():
-    """Sampling, n-gram drafts off, ``draft_tree=False`` and a sliding-window target keep linear rounds."""
+    """Sampling, ``draft_tree=False`` and a sliding-window target keep linear rounds; without n-gram drafts
+    a tree holds the head's chain and its runner-ups."""
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
     prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
-    forced = dict(verify_policy=ForcedTrees([(3, 4)]), block_size=12, max_new_tokens=24)
+    forced = dict(verify_policy=ForcedTrees([(3, 4, 1)]), block_size=12, max_new_tokens=24)
     assert speculative_generate(target, drafter, prompt, **forced).stats.tree_rounds > 0
     assert speculative_generate(target, drafter, prompt, draft_tree=False, **forced).stats.tree_rounds == 0
-    assert speculative_generate(target, drafter, prompt, ngram_size=0, **forced).stats.tree_rounds == 0
+    assert speculative_generate(target, drafter, prompt, ngram_size=0, **forced).stats.tree_rounds > 0
     sampled = speculative_generate(target, drafter, prompt, do_sample=True, generator=torch.Generator().manual_seed(0),
                                    **forced)
     assert sampled.stats.tree_rounds == 0
@@ -194,8 +207,8 @@ def test_policy_plans_both_branches_only_when_verifying_is_cheap():
     ngram_size, shared = torch.tensor([3]), torch.tensor([0])
     for cost, both in ((flat, True), (steep, False)):
         policy = AdaptiveVerifyPolicy(cost, clock=None, prior_ratio=0.7).start(16)
-        kh, kg = policy.choose_tree(head_confidence, ngram_size, shared).tolist()
-        assert (kh > 0 and kg > 0) == both, (kh, kg)
+        kh, kg, ka = policy.choose_tree(head_confidence, ngram_size, shared).tolist()
+        assert (kh > 0 and kg > 0) == both and ka == 0, (kh, kg, ka)
         assert kh + kg <= 15
     # A head whose drafts never pass, calibrated so: the plan drops its branch.
     policy = AdaptiveVerifyPolicy(flat, clock=None).start(16)
@@ -203,9 +216,22 @@ def test_policy_plans_both_branches_only_when_verifying_is_cheap():
         policy.choose_tree(head_confidence, ngram_size, shared)
         policy.observe(head_confidence, 7, torch.tensor([0]), torch.tensor([0]))
         policy.observe(torch.ones(1, 15), 8, torch.tensor([6]), ngram_size)
-    kh, kg = policy.choose_tree(head_confidence, ngram_size, shared).tolist()
+    kh, kg, _ = policy.choose_tree(head_confidence, ngram_size, shared).tolist()
     assert kh == 0 and kg >= 6
     # Drafts that agree on their first 4 tokens share those slots: a plan of (7, 9) then costs 12 drafts.
     policy = AdaptiveVerifyPolicy(flat, clock=None, prior_ratio=0.7).start(16)
-    kh, kg = policy.choose_tree(head_confidence, ngram_size, torch.tensor([4])).tolist()
+    kh, kg, _ = policy.choose_tree(head_confidence, ngram_size, torch.tensor([4])).tolist()
     assert kh + kg - min(4, kh, kg) <= 15 and kh > 0 and kg > 4
+
+
+def test_policy_verifies_runner_ups_that_pay_and_learns_when_they_do_not():
+    flat = _cost([1.0] + [1.05 + 0.01 * k for k in range(15)])  # each slot costs 1 % of a step
+    head_confidence = torch.full((1, 15), 0.5)
+    head_confidence[:, 7:] = 0.0
+    none, shared = torch.tensor([0]), torch.tensor([0])
+    likely = torch.tensor([[0.3, 0.2, 0.1]])
+    policy = AdaptiveVerifyPolicy(flat, clock=None, prior_ratio=0.7).start(16)
+    assert policy.choose_tree(head_confidence, none, shared, likely).tolist()[2] == 3
+    for _ in range(40):  # runner-ups that are never right
+        policy.observe_runner_ups(likely, torch.zeros(1, 3, dtype=torch.bool))
+    assert policy.choose_tree(head_confidence, none, shared, likely).tolist()[2] == 0

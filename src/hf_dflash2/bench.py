@@ -4,9 +4,10 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 
 - ``ar``: plain ``generate`` (greedy, or sampling at T > 0), batch 1 or a left-padded batch;
 - ``dflash2_generate``: ``target.generate(assistant_model=dflash2_head)`` (batch 1);
-- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch), n-gram drafts on
-  (the default);
-- ``dflash2_fast_head``: the same with ``ngram_size=0``: the head's drafts alone;
+- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch), n-gram drafts
+  and draft trees on (the defaults);
+- ``dflash2_fast_head``: the same with ``ngram_size=0, draft_tree=False``: the head's own chain alone, as
+  vLLM and SGLang verify it;
 - ``dflash1_fast``: the fast loop with the DFlash-1 head trained on the same budget;
 - ``prompt_lookup``: Transformers' prompt-lookup decoding (batch 1, greedy);
 - ``native_dflash``: Transformers' own ``speculation_type="dflash"`` path with the DFlash-1 head's
@@ -140,7 +141,7 @@ class Runner:
                 self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
                 temperature=self.temperature or 1.0, top_k=self.top_k if self.sample else None,
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad,
-                **({"ngram_size": 0} if method == "dflash2_fast_head" else {}),
+                **({"ngram_size": 0, "draft_tree": False} if method == "dflash2_fast_head" else {}),
             )
             generated, stats = int(result.num_generated.sum()), result.stats
         elif method == "dflash2_generate":

@@ -91,6 +91,8 @@ from transformers import DynamicCache
 
 from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_features
 
+RUNNER_UP_ROW = 1 + NGRAM_MAX  # calibration row of the head's runner-up first tokens (draft trees)
+
 COST_MODEL_VERSION = 3  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block
 
 
@@ -343,12 +345,17 @@ class VerifyPolicy:
     #: Whether ``choose_tree`` may be asked, on greedy rounds where both the head and n-gram drafts exist.
     plans_trees = False
 
-    def choose_tree(self, head_confidence: torch.Tensor, ngram_size: torch.Tensor,
-                    shared: torch.Tensor) -> torch.Tensor:
-        """[2] (kh, kg): verify the head's first kh drafts and the n-gram's first kg as two branches of
-        one tree (``draft_tree``); kg = 0 is a linear head round, kh = 0 a linear n-gram round, (0, 0) a
-        plain step. ``shared`` [N]: the common prefix of the two drafts per row."""
+    def choose_tree(self, head_confidence: torch.Tensor, ngram_size: torch.Tensor, shared: torch.Tensor,
+                    alternative_probs: torch.Tensor | None = None) -> torch.Tensor:
+        """[3] (kh, kg, ka): verify the head's first kh drafts, the n-gram's first kg and the head's first
+        ka runner-up first tokens as branches of one tree (``draft_tree``); (kh, 0, 0) is a linear head
+        round, (0, kg, 0) a linear n-gram round, (0, 0, 0) a plain step. ``shared`` [N]: the common prefix
+        of the two drafts per row (0 without an n-gram); ``alternative_probs`` [N, A]: the runner-ups'
+        probabilities under the head."""
         raise NotImplementedError
+
+    def observe_runner_ups(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
+        pass
 
 
 class FixedVerifyLength(VerifyPolicy):
@@ -488,11 +495,12 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         return not self._exploring
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
-        """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens."""
+        """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens, row
+        ``RUNNER_UP_ROW`` the head's runner-up first tokens by rank (column r: the (r + 2)-th likeliest)."""
         s = self.block_size - 1
         if self.observed is None:
-            self.observed = torch.zeros(1 + NGRAM_MAX, s, dtype=torch.float32, device=like.device)
-            self.predicted = torch.zeros(1 + NGRAM_MAX, s, dtype=torch.float32, device=like.device)
+            self.observed = torch.zeros(RUNNER_UP_ROW + 1, s, dtype=torch.float32, device=like.device)
+            self.predicted = torch.zeros(RUNNER_UP_ROW + 1, s, dtype=torch.float32, device=like.device)
             # [S + 1]: verifying the anchor and k drafts
             self._verify_cost = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._step_cost = self.cost.verify(1)
@@ -526,9 +534,10 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         size = torch.arange(self.block_size, device=expected.device)
         return self._best_plan(expected, size, confidence.shape[0], drafted)
 
-    def choose_tree(self, head_confidence, ngram_size, shared):
-        """Expected committed tokens of each (kh, kg), per row: depths both branches share count once
-        (the likelier estimate), deeper ones add (the branches differ there, so at most one is accepted)."""
+    def choose_tree(self, head_confidence, ngram_size, shared, alternative_probs=None):
+        """Expected committed tokens of each (kh, kg, ka), per row: depths both chains share count once
+        (the likelier estimate), deeper ones add (the chains differ there, so at most one is accepted);
+        each runner-up adds its calibrated probability (it differs from both chains' first tokens)."""
         self._head_drafted = True
         s = self.block_size - 1
         rows = head_confidence.shape[0]
@@ -544,8 +553,16 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         expected = (1.0 + torch.where(both, head.maximum(ngram), head + ngram).sum(-1)).sum(0)  # [S + 1, S + 1]
         overlap = torch.minimum(shared.min(), torch.minimum(lengths[:, None], lengths[None, :]))
         size = lengths[:, None] + lengths[None, :] - overlap  # drafts in the tree
+        count = 0 if alternative_probs is None else alternative_probs.shape[1]
+        runner_ups = torch.zeros(count + 1, device=ones.device)
+        if count:
+            ratio = self._ratio(ones)[RUNNER_UP_ROW, :count]
+            runner_ups[1:] = (alternative_probs.float() * ratio).clamp(0.0, 1.0).sum(0).cumsum(0)
+        expected = expected[..., None] + runner_ups  # [S + 1, S + 1, A + 1]
+        size = size[..., None] + torch.arange(count + 1, device=ones.device)
         plan = self._best_plan(expected.flatten(), size.flatten(), rows, True)
-        return torch.stack([plan // (s + 1), plan % (s + 1)])
+        per_kh = (s + 1) * (count + 1)
+        return torch.stack([plan // per_kh, plan % per_kh // (count + 1), plan % (count + 1)])
 
     def _best_plan(self, expected: torch.Tensor, size: torch.Tensor, rows: int, drafted: bool) -> torch.Tensor:
         """Index of the best plan among candidates with ``expected`` committed tokens (summed over rows) and
@@ -589,6 +606,15 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             self.to_skip = self.skip
         elif head_used:
             self.skip = 0
+
+    def observe_runner_ups(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
+        """probs, accepted: [N, ka] the verified runner-ups' probabilities and whether each was accepted."""
+        if probs.shape[1] == 0:
+            return
+        self._ratio(probs)
+        count = probs.shape[1]
+        self.observed[RUNNER_UP_ROW, :count] += accepted.float().sum(0)
+        self.predicted[RUNNER_UP_ROW, :count] += probs.float().sum(0)
 
     def observe(self, confidence, k, accepted, source=None) -> None:
         if confidence is None or k == 0:

@@ -26,7 +26,16 @@ from torch.profiler import record_function
 from transformers import DynamicCache
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
-from .draft_tree import DraftTree, accept_tree, build_tree, common_prefix, move_path_to_front, supports_trees, tree_attention_mask
+from .draft_tree import (
+    RUNNER_UPS,
+    DraftTree,
+    accept_tree,
+    build_tree,
+    common_prefix,
+    move_path_to_front,
+    supports_trees,
+    tree_attention_mask,
+)
 from .speculative_dflash2 import (
     DEFAULT_NGRAM_SIZE,
     DraftContext,
@@ -210,16 +219,21 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         if ngram_size:
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
-                                      sampler.draft_temperature, sampler.generator, ngram_size, history, length)
-        tree_round = trees and head_drafted and draft.ngram_tokens is not None
-        if tree_round:  # (kh, kg, the batch's shared prefix): how far to verify each branch
-            shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
-            plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared), shared.min()]
-        else:  # (k, -, -)
-            plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0]
+                                      sampler.draft_temperature, sampler.generator, ngram_size, history, length,
+                                      RUNNER_UPS if trees else 0)
+        tree_round = trees and head_drafted
+        if tree_round:  # (kh, kg, ka, the batch's shared prefix): how far to verify each branch
+            if draft.ngram_tokens is None:
+                draft.ngram_size = shared = torch.zeros_like(rows.anchor)
+            else:
+                shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
+            plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared, draft.alternative_probs),
+                    shared.min()]
+        else:  # (k, -, -, -)
+            plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0, 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
         # plan, and whether any row took the head's draft.
-        any_running, all_running, crop, k, k_ngram, shared, head_used = torch.stack([
+        any_running, all_running, crop, k, k_ngram, k_runner_ups, shared, head_used = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
             *(torch.as_tensor(x, device=no.device).long() for x in plan),
             (no if draft is None else draft.uses_head).long()]).tolist()
@@ -238,17 +252,19 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
 
         tree = None
         if tree_round:
+            k_ngram = k_ngram if draft.ngram_tokens is not None else 0
             shared = min(shared, k, k_ngram)
-            head_used = k > 0
-            if k_ngram > shared and k == 0:  # the n-gram branch alone, as a linear round
+            head_used = k > 0 or k_runner_ups > 0
+            if k == 0 and k_runner_ups == 0 and k_ngram > 0:  # the n-gram branch alone, as a linear round
                 matched = draft.ngram_size > 0
                 draft = Proposal(draft.ngram_tokens, matched[:, None].float().expand_as(draft.ngram_tokens),
                                  torch.where(matched, draft.ngram_size, -1))
                 k = k_ngram
-            elif k_ngram <= shared:  # the n-gram branch adds nothing: the head's draft alone
+            elif k_ngram <= shared and k_runner_ups == 0:  # the head's chain alone (k = 0: a plain step)
                 draft = Proposal(draft.head_tokens, draft.head_confidence, torch.zeros_like(draft.ngram_size))
             else:
-                tree = build_tree(draft.head_tokens, k, draft.ngram_tokens, k_ngram, shared, block_size)
+                tree = build_tree(draft.head_tokens, k, draft.ngram_tokens, k_ngram, shared,
+                                  draft.alternative_tokens, k_runner_ups, block_size)
         if draft is not None:
             policy.chosen(k if tree is None else tree.width - 1, bool(head_used))
 
@@ -276,7 +292,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)
                 policy.observe(draft.head_confidence, tree.head_length, result.head_accepted, torch.zeros_like(accepted))
                 policy.observe(torch.ones_like(draft.head_confidence), k_ngram, result.ngram_accepted, ngram_source)
-                source = torch.where(result.ngram_won, draft.ngram_size, 0)
+                policy.observe_runner_ups(draft.alternative_probs[:, : tree.alternatives], result.alternative_accepted)
+                source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
@@ -366,7 +383,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
-    trees = draft_tree and not do_sample and ngram_size > 0 and policy.plans_trees and supports_trees(target, cache)
+    trees = draft_tree and not do_sample and policy.plans_trees and supports_trees(target, cache)
     speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
                        ngram_size, trees)
     if streamer is not None:
