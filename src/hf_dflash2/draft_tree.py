@@ -3,9 +3,9 @@ target forward.
 
 Greedy rounds of the fast loop only. When the head drafted and a row's text also matched an earlier
 n-gram, the two drafts usually disagree, and either may be the one the target accepts; and when the
-head's first token is wrong, its second or third likeliest is often right (on held-out prompts the
-committed head's first draft is right 34 % / 49 % of the time on MT-Bench / HumanEval, its runner-up
-another 12 % / 14 %). Verifying all of them costs one forward over ``1 + kh + kg - shared + ka``
+head's first token is wrong, one of its next likeliest often is (on held-out prompts the committed
+head's first draft is right in 33 % / 49 % of rounds on MT-Bench / HumanEval, and one of its 6
+runner-ups in another 27 % / 26 %: ``benchmarks/runner_ups.py``). Verifying all of them costs one forward over ``1 + kh + kg - shared + ka``
 tokens, which on a CPU in bf16 (or a GPU) costs little more than verifying one chain; the round keeps
 the path the target accepts furthest.
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-RUNNER_UPS = 3  # the head's runner-up first tokens a tree may verify
+RUNNER_UPS = 6  # the head's runner-up first tokens a tree may verify
 
 
 def supports_trees(target, cache) -> bool:
