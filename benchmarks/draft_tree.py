@@ -93,7 +93,8 @@ def main() -> None:
             "generate_path_x": round(speed["generate_path"] / speed["greedy"], 3),
             "trees_over_linear": round(speed["trees"] / speed["linear"], 3),
             "trees_over_generate_path": round(speed["trees"] / speed["generate_path"], 3),
-            "tau_linear": round(statistics.mean(taus["linear"]), 3), "tau_trees": round(statistics.mean(taus["trees"]), 3),
+            "tau_linear": round(statistics.mean(taus["linear"]), 3),
+            "tau_trees": round(statistics.mean(taus["trees"]), 3),
             "tree_round_share": round(statistics.mean(tree_share), 3),
             "worst_prompt_trees_over_linear": round(min(per_prompt), 3),
         })
@@ -101,7 +102,8 @@ def main() -> None:
     print(table(rows, columns))
     command = "python benchmarks/draft_tree.py " + " ".join(sys.argv[1:])
     save("draft_tree", {"command": command, "dtype": str(target.dtype).removeprefix("torch."),
-                        "prompts_per_set": args.prompts, "new_tokens": n, "repeats": args.repeats, "rows": rows, "per_prompt": prompts_detail})
+                        "prompts_per_set": args.prompts, "new_tokens": n, "repeats": args.repeats, "rows": rows,
+                        "per_prompt": prompts_detail})
     (RESULTS / "draft_tree.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
     labels, values = [], []
     for row in rows:
@@ -109,7 +111,8 @@ def main() -> None:
                            ("generate_path_x", "generate(assistant_model=)")):
             labels.append(f"{row['set']}\n{label}")
             values.append(row[key])
-    chart_bars(labels, values, "speed / plain greedy", f"draft trees, wall clock ({str(target.dtype).removeprefix('torch.')})",
+    dtype = str(target.dtype).removeprefix("torch.")
+    chart_bars(labels, values, "speed / plain greedy", f"draft trees, wall clock ({dtype})",
                RESULTS / "draft_tree.png")
 
 

@@ -84,7 +84,8 @@ def test_tree_mask_shows_each_slot_its_own_branch():
     mask = tree_attention_mask(valid, tree, "sdpa", torch.float32)
     assert mask.shape == (1, 1, 7, 10) and mask.dtype == torch.bool
     assert not mask[0, 0, :, 0].any() and mask[0, 0, :, 1:3].all()  # the context's hole stays hidden
-    assert mask[0, 0, 4, 3:].tolist() == [True, True, False, False, True, False, False]  # first "9": anchor, "5", itself
+    # the first "9": the anchor, "5" and itself
+    assert mask[0, 0, 4, 3:].tolist() == [True, True, False, False, True, False, False]
     assert mask[0, 0, 3, 3:].tolist() == [True, True, True, True, False, False, False]  # "7": the head's chain
     additive = tree_attention_mask(valid, tree, "eager", torch.float32)
     assert torch.equal(additive == 0, mask)

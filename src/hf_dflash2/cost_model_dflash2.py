@@ -553,11 +553,11 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         expected = (1.0 + torch.where(both, head.maximum(ngram), head + ngram).sum(-1)).sum(0)  # [S + 1, S + 1]
         overlap = torch.minimum(shared.min(), torch.minimum(lengths[:, None], lengths[None, :]))
         size = lengths[:, None] + lengths[None, :] - overlap  # drafts in the tree
-        count = 0 if alternative_probs is None else alternative_probs.shape[1]
+        count = 0 if alternative_probs is None else min(alternative_probs.shape[1], s)
         runner_ups = torch.zeros(count + 1, device=ones.device)
         if count:
             ratio = self._ratio(ones)[RUNNER_UP_ROW, :count]
-            runner_ups[1:] = (alternative_probs.float() * ratio).clamp(0.0, 1.0).sum(0).cumsum(0)
+            runner_ups[1:] = (alternative_probs[:, :count].float() * ratio).clamp(0.0, 1.0).sum(0).cumsum(0)
         expected = expected[..., None] + runner_ups  # [S + 1, S + 1, A + 1]
         size = size[..., None] + torch.arange(count + 1, device=ones.device)
         plan = self._best_plan(expected.flatten(), size.flatten(), rows, True)

@@ -5,9 +5,9 @@ Greedy rounds of the fast loop only. When the head drafted and a row's text also
 n-gram, the two drafts usually disagree, and either may be the one the target accepts; and when the
 head's first token is wrong, one of its next likeliest often is (on held-out prompts the committed
 head's first draft is right in 33 % / 49 % of rounds on MT-Bench / HumanEval, and one of its 6
-runner-ups in another 27 % / 26 %: ``benchmarks/runner_ups.py``). Verifying all of them costs one forward over ``1 + kh + kg - shared + ka``
-tokens, which on a CPU in bf16 (or a GPU) costs little more than verifying one chain; the round keeps
-the path the target accepts furthest.
+runner-ups in another 27 % / 26 %: ``benchmarks/runner_ups.py``). Verifying all of them costs one
+forward over ``1 + kh + kg - shared + ka`` tokens, which on a CPU in bf16 (or a GPU) costs little
+more than verifying one chain; the round keeps the path the target accepts furthest.
 
 Slot layout, the same for every row of the batch (so one ``[W, W]`` ancestry serves them all)::
 

@@ -290,7 +290,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 positions = rows.anchor_pos[:, None] + offsets[: k + 1]
                 accepted, tokens = result.accepted, result.tokens
                 ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)
-                policy.observe(draft.head_confidence, tree.head_length, result.head_accepted, torch.zeros_like(accepted))
+                policy.observe(draft.head_confidence, tree.head_length, result.head_accepted,
+                               torch.zeros_like(accepted))
                 policy.observe(torch.ones_like(draft.head_confidence), k_ngram, result.ngram_accepted, ngram_source)
                 policy.observe_runner_ups(draft.alternative_probs[:, : tree.alternatives], result.alternative_accepted)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)

@@ -250,7 +250,8 @@ def runner_up_tokens(drafter, draft, count: int, exclude: torch.Tensor) -> tuple
     """The head's ``count`` likeliest first tokens by its unary distribution, leaving out ``exclude``
     [N, m] (its own draft's and the n-gram's first tokens) -> (tokens [N, count], probabilities [N, count])."""
     probs = draft.logits[:, 0].float().softmax(-1)  # [N, V'] over the draft vocabulary
-    top_probs, top = probs.topk(count + exclude.shape[1], dim=-1)
+    top_probs, top = probs.topk(min(count + exclude.shape[1], probs.shape[-1]), dim=-1)
+    count = min(count, top.shape[1] - exclude.shape[1])  # a draft vocabulary smaller than count + exclude
     ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
     excluded = (ids[..., None] == exclude[:, None, :]).any(-1)
     rank = torch.arange(ids.shape[1], device=ids.device)
@@ -520,5 +521,6 @@ class SpeculativeStats:
     def __repr__(self) -> str:
         return (
             f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted}, "
-            f"ngram_rounds={self.ngram_rounds}, tree_rounds={self.tree_rounds}, verify_lengths={self.verify_length_histogram})"
+            f"ngram_rounds={self.ngram_rounds}, tree_rounds={self.tree_rounds}, "
+            f"verify_lengths={self.verify_length_histogram})"
         )
