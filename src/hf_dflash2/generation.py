@@ -5,8 +5,9 @@ drafts) -> ``speculative_decode`` (the round loop) -> ``speculative_generate`` (
 output). Per round: the drafter proposes a block of tokens per row in one pass (skipped on rounds the
 verify policy turns into plain AR steps), and rows whose text repeats may take an n-gram draft instead
 (``speculative_dflash2.propose``); the policy picks how many of them to verify
-(``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]`` (on greedy rounds where both
-sources drafted, possibly both as two branches of one tree, ``draft_tree``); acceptance (greedy match or
+(``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]`` (on greedy rounds where the head
+drafted: possibly a tree of its chain, the n-gram's and its runner-up first tokens, ``draft_tree``);
+acceptance (greedy match or
 lossless rejection sampling), EOS and budget handling, output writes and the drafter's context
 (``DraftContext``, shared with the Transformers path) all stay on the device. The host reads one small
 tensor per round, after the draft: any row still running, all rows running, how many trailing cache
@@ -210,7 +211,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
                        streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
     """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``
-    (greedy only), a round where the head drafted and n-gram drafts exist may verify both (``draft_tree``)."""
+    (greedy only), a round where the head drafted may verify a tree: its chain, the n-gram's and its
+    runner-up first tokens (``draft_tree``), as the policy plans."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
@@ -346,8 +348,9 @@ def speculative_generate(
     when the policy expects that to be accepted further than the head's draft (``stats.ngram_rounds``).
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
     16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
-    ``draft_tree`` (greedy, adaptive policy, n-gram drafts on): a round may verify the head's draft and
-    the n-gram's as two branches of one forward and keep the one accepted further (``stats.tree_rounds``).
+    ``draft_tree`` (greedy with the adaptive policy; not on sliding-window targets): a round may verify the
+    head's draft, the n-gram's and the head's runner-up first tokens as branches of one forward and keep
+    the path accepted furthest (``stats.tree_rounds``; ``draft_tree=False``: one chain per row).
     """
     check_ngram_size(ngram_size)
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens

@@ -173,7 +173,8 @@ def _results_section(results: dict | None) -> str:
     if results.get("with_ngram_drafts"):
         parts = [f"{name} τ {_fmt_number(e.get('tau'))}, {_fmt_number(e.get('speedup'))}×"
                  for name, e in results["with_ngram_drafts"].items()]
-        lines.append("With `hf_dflash2`'s default n-gram (prompt lookup) drafts next to the head's, same run: "
+        lines.append("With `hf_dflash2`'s fast loop as it runs by default (n-gram (prompt lookup) drafts next to "
+                     "the head's, verified with the head's runner-up tokens as one draft tree), same run: "
                      + "; ".join(parts) + ".")
     details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
     if details:
@@ -214,7 +215,7 @@ def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
 HEAD_ONLY_METHOD, HYBRID_METHOD = "dflash2_fast_head", "dflash2_fast"
 METHOD_NOTES = {
     HEAD_ONLY_METHOD: "the head's own drafts, as vLLM and SGLang serve it",
-    HYBRID_METHOD: "hf_dflash2's fast loop with its default n-gram drafts next to the head's",
+    HYBRID_METHOD: "hf_dflash2's fast loop with its defaults: n-gram drafts next to the head's, and draft trees",
 }
 
 

@@ -408,7 +408,7 @@ class SpeculativeStats:
         """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified;
         verified: drafted tokens verified this round (``B - 1`` when not given); source: [N] where each
         row's drafts came from (``Proposal.source``: n >= 1 an n-gram match; for a tree, the branch that
-        was accepted further); tree: the round verified two branches (``draft_tree``)."""
+        was accepted further); tree: the round verified a draft tree (``draft_tree``)."""
         b = self.block_size
         if self._joint is None:
             self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
@@ -466,7 +466,7 @@ class SpeculativeStats:
 
     @property
     def tree_rounds(self) -> int:
-        """Rows x rounds that verified the head's and an n-gram's drafts as two branches of one forward."""
+        """Rows x rounds that verified a draft tree (``draft_tree``) rather than one chain."""
         return int(self._ngram[2]) if self._ngram is not None else 0
 
     @property
