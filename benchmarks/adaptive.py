@@ -93,18 +93,21 @@ def batch8(target, head, tokenizer, prompts, n, repeats):
                                               pad_token_id=pad),
         "adaptive": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n,
                                                  pad_token_id=pad),
+        "adaptive_no_trees": lambda: speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n,
+                                                          pad_token_id=pad, draft_tree=False),
     }
     for fn in calls.values():
         fn()
     seconds = {m: [] for m in calls}
-    for _ in range(repeats):
-        for method, fn in calls.items():
-            seconds[method].append(timed(fn)[1])
+    for repeat in range(repeats):
+        for method in rotated(list(calls), repeat):
+            seconds[method].append(timed(calls[method])[1])
     tokens = ids.shape[0] * n  # upper bound for all (no EOS handling differences in the count)
     result = {m: tokens / statistics.median(s) for m, s in seconds.items()}
     adaptive = speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=n, pad_token_id=pad)
     return {"ar_tok_s": result["ar"], "fixed_tok_s": result["fixed"], "adaptive_tok_s": result["adaptive"],
             "adaptive_over_ar": result["adaptive"] / result["ar"], "fixed_over_ar": result["fixed"] / result["ar"],
+            "adaptive_no_trees_over_ar": result["adaptive_no_trees"] / result["ar"],
             "verify_length_histogram": adaptive.stats.verify_length_histogram}
 
 
@@ -184,7 +187,7 @@ def main() -> None:
     text = f"SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(prompts)} prompts x {args.new_tokens} tokens\n\n"
     text += table(rows, columns)
     if b8:
-        columns8 = ["ar_tok_s", "fixed_tok_s", "adaptive_tok_s", "adaptive_over_ar"]
+        columns8 = ["ar_tok_s", "fixed_tok_s", "adaptive_tok_s", "adaptive_over_ar", "adaptive_no_trees_over_ar"]
         text += "\n\nbatch 8 (tok/s):\n\n" + table([b8], columns8)
     print("\n" + text)
     stem = f"adaptive_{args.dtype}" + ("_b8" if args.skip_batch1 else "")
