@@ -9,7 +9,8 @@ the fast loop with trees (the default), and ``generate(assistant_model=head)`` (
 loop, which verifies one linear candidate per round). Speeds are tokens / median seconds per prompt,
 summed over the set; in bf16 each method may decode a slightly different text (near-tie flips), so
 tokens are counted per method, and a text that parts into a loop (long, easy to draft) or ends early
-moves the sums: the median over prompts of the per-prompt tokens/s ratio is the robust figure. Writes benchmarks/results/draft_tree.{json,md,png}.
+moves the sums: the median over prompts of the per-prompt tokens/s ratio is the robust figure.
+Writes benchmarks/results/draft_tree.{json,md,png}.
 """
 
 from __future__ import annotations
