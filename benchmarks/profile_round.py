@@ -1,12 +1,17 @@
 """Where a speculative round's time goes: torch.profiler over the fast loop on SmolLM2-135M-Instruct.
 
     python benchmarks/profile_round.py [--dtype fp32|bf16] [--block-size 16] [--new-tokens 32] [--head DIR]
+    python benchmarks/profile_round.py --trees --dtype bf16 --head heads/smollm2-135m-dflash2 --new-tokens 128
 
 Runs ``speculative_generate`` with the whole block verified every round (``adaptive=False``, so every
 round has the same shape) under ``torch.profiler`` and reports, per round: the loop's phases
 (``dflash2::draft`` / ``verify`` / ``accept`` / ``context``, recorded by the loop) and the operators with
 the most self time. A fresh head by default (tau ~ 1: one token per round). Writes
 benchmarks/results/profile_round_<dtype>_b<B>.{json,md}.
+
+``--trees``: the default loop instead (adaptive policy, n-gram drafts, block widened to 16), profiled
+once with draft trees and once without (``draft_tree=False``), phases per round side by side (plus
+``dflash2::plan``, the policy's choice); writes benchmarks/results/profile_round_<dtype>_trees.{json,md}.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_target  # noqa: E402
 from hf_dflash2.prompts import encode_prompt  # noqa: E402
 
-PHASES = ("dflash2::draft", "dflash2::verify", "dflash2::accept", "dflash2::context")
+PHASES = ("dflash2::ngram", "dflash2::draft", "dflash2::plan", "dflash2::verify", "dflash2::accept",
+          "dflash2::context")
 
 
 def main() -> None:
@@ -35,6 +41,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--head", default=None, help="a trained head folder (default: a fresh head)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--trees", action="store_true", help="the default loop with and without draft trees")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target, tokenizer = load_target()
@@ -46,6 +53,8 @@ def main() -> None:
                                             target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).to(dtype).eval()
     head.bind_target(target)
     ids = encode_prompt(tokenizer, load_humaneval_prompts()[0], "cpu")
+    if args.trees:
+        return compare_trees(target, head, ids, args)
     run = dict(max_new_tokens=args.new_tokens, adaptive=False, block_size=args.block_size)
     with torch.no_grad():
         speculative_generate(target, head, ids, **run)  # warm-up
@@ -67,13 +76,40 @@ def main() -> None:
     op_table = table(top, ["op", "self_ms_per_round", "calls_per_round"])
     header = (f"One fast-loop round, SmolLM2-135M-Instruct {args.dtype}, B = {args.block_size}, "
               f"{'head ' + args.head if args.head else 'fresh head'}, tau = {result.stats.acceptance_length:.2f}, "
-              f"{rounds} rounds, {torch.get_num_threads()} threads (machine shared with a training run)")
+              f"{rounds} rounds, {torch.get_num_threads()} threads")
     text = f"{header}\n\n{phase_table}\n\nTop operators by self time:\n\n{op_table}\n"
     print(text)
     stem = f"profile_round_{args.dtype}_b{args.block_size}"
     (RESULTS / f"{stem}.md").write_text(text)
     command = "python benchmarks/profile_round.py " + " ".join(sys.argv[1:])
     print(f"written {save(stem, {'command': command, 'header': header, 'phases': phases, 'top_ops': top})}")
+
+
+def compare_trees(target, head, ids, args) -> None:
+    rows = []
+    for trees in (True, False):
+        with torch.no_grad():
+            speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, draft_tree=trees)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                result = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, draft_tree=trees)
+        rounds = result.stats.rounds
+        times = {e.key: e.cpu_time_total / rounds / 1e3 for e in prof.key_averages() if e.key in PHASES}
+        row = {"loop": "trees" if trees else "chains", "rounds": rounds,
+               "tau": round(result.stats.acceptance_length, 2), "tree_rounds": result.stats.tree_rounds}
+        row.update({phase.removeprefix("dflash2::"): round(times.get(phase, 0.0), 2) for phase in PHASES})
+        row["ms_per_round"] = round(sum(times.values()), 2)
+        row["ms_per_token"] = round(row["ms_per_round"] / max(result.stats.acceptance_length, 1e-9), 2)
+        rows.append(row)
+    columns = list(rows[0])
+    header = (f"The default loop with and without draft trees, SmolLM2-135M-Instruct {args.dtype}, "
+              f"{'head ' + args.head if args.head else 'fresh head'}, one HumanEval prompt, {args.new_tokens} tokens, "
+              f"{torch.get_num_threads()} threads; ms per round by phase (record_function totals)")
+    text = f"{header}\n\n{table(rows, columns)}\n"
+    print(text)
+    stem = f"profile_round_{args.dtype}_trees"
+    (RESULTS / f"{stem}.md").write_text(text)
+    command = "python benchmarks/profile_round.py " + " ".join(sys.argv[1:])
+    print(f"written {save(stem, {'command': command, 'header': header, 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -224,15 +224,16 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                                       sampler.draft_temperature, sampler.generator, ngram_size, history, length,
                                       RUNNER_UPS if trees else 0)
         tree_round = trees and head_drafted
-        if tree_round:  # (kh, kg, ka, the batch's shared prefix): how far to verify each branch
-            if draft.ngram_tokens is None:
-                draft.ngram_size = shared = torch.zeros_like(rows.anchor)
-            else:
-                shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
-            plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared, draft.alternative_probs),
-                    shared.min()]
-        else:  # (k, -, -, -)
-            plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0, 0]
+        with record_function("dflash2::plan"):
+            if tree_round:  # (kh, kg, ka, the batch's shared prefix): how far to verify each branch
+                if draft.ngram_tokens is None:
+                    draft.ngram_size = shared = torch.zeros_like(rows.anchor)
+                else:
+                    shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
+                plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared, draft.alternative_probs),
+                        shared.min()]
+            else:  # (k, -, -, -)
+                plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0, 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
         # plan, and whether any row took the head's draft.
         any_running, all_running, crop, k, k_ngram, k_runner_ups, shared, head_used = torch.stack([
