@@ -77,12 +77,17 @@ def main() -> None:
     header = (f"One fast-loop round, SmolLM2-135M-Instruct {args.dtype}, B = {args.block_size}, "
               f"{'head ' + args.head if args.head else 'fresh head'}, tau = {result.stats.acceptance_length:.2f}, "
               f"{rounds} rounds, {torch.get_num_threads()} threads")
-    text = f"{header}\n\n{phase_table}\n\nTop operators by self time:\n\n{op_table}\n"
+    write_results(f"profile_round_{args.dtype}_b{args.block_size}", header,
+                  f"{phase_table}\n\nTop operators by self time:\n\n{op_table}", {"phases": phases, "top_ops": top})
+
+
+def write_results(stem: str, header: str, body: str, payload: dict) -> None:
+    """Print and write ``<stem>.md`` (header, body) and ``<stem>.json`` (the command, header, payload)."""
+    text = f"{header}\n\n{body}\n"
     print(text)
-    stem = f"profile_round_{args.dtype}_b{args.block_size}"
     (RESULTS / f"{stem}.md").write_text(text)
     command = "python benchmarks/profile_round.py " + " ".join(sys.argv[1:])
-    print(f"written {save(stem, {'command': command, 'header': header, 'phases': phases, 'top_ops': top})}")
+    print(f"written {save(stem, {'command': command, 'header': header, **payload})}")
 
 
 def compare_trees(target, head, ids, args) -> None:
@@ -104,12 +109,7 @@ def compare_trees(target, head, ids, args) -> None:
     header = (f"The default loop with and without draft trees, SmolLM2-135M-Instruct {args.dtype}, "
               f"{'head ' + args.head if args.head else 'fresh head'}, one HumanEval prompt, {args.new_tokens} tokens, "
               f"{torch.get_num_threads()} threads; ms per round by phase (record_function totals)")
-    text = f"{header}\n\n{table(rows, columns)}\n"
-    print(text)
-    stem = f"profile_round_{args.dtype}_trees"
-    (RESULTS / f"{stem}.md").write_text(text)
-    command = "python benchmarks/profile_round.py " + " ".join(sys.argv[1:])
-    print(f"written {save(stem, {'command': command, 'header': header, 'rows': rows})}")
+    write_results(f"profile_round_{args.dtype}_trees", header, table(rows, columns), {"rows": rows})
 
 
 if __name__ == "__main__":

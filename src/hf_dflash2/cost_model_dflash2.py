@@ -53,13 +53,15 @@ On rounds the head does not draft (back-off, or n-gram drafts won the last round
 verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
 is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
 
-Draft trees (greedy rounds of the fast loop where the head drafted and a row matched an n-gram;
-``draft_tree``): ``choose_tree`` plans how far to verify each branch, ``(kh, kg)``, over the same rate.
-Both branches hang from the anchor and differ after their common prefix, so at most one of them is
-accepted past it: the expected committed tokens add the two branches' reach beyond the shared depths and
-take the likelier estimate within them; the cost is that of verifying the tree's ``kh + kg - shared``
-drafts. ``kg = 0`` or ``kh = 0`` is a linear round of one source, ``(0, 0)`` a plain step. Each branch's
-own accepted run feeds its source's calibration, so a tree round calibrates both.
+Draft trees (greedy rounds of the fast loop where the head drafted; ``draft_tree``): ``choose_tree``
+plans how far to verify each branch, ``(kh, kg, ka)``: the head's chain, the n-gram's chain and the
+head's runner-up first tokens, over the same rate. The chains hang from the anchor and differ after their
+common prefix, so at most one of them is accepted past it: the expected committed tokens add the two
+chains' reach beyond the shared depths and take the likelier estimate within them; each runner-up (it
+differs from both chains' first tokens) adds its calibrated probability (row ``RUNNER_UP_ROW``, one rate
+per rank); the cost is that of verifying the tree's ``kh + kg - shared + ka`` drafts. ``(kh, 0, 0)`` or
+``(0, kg, 0)`` is a linear round of one source, ``(0, 0, 0)`` a plain step. Each branch's own accepted
+run feeds its source's calibration, so a tree round calibrates all of them.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at

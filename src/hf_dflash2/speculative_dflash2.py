@@ -266,7 +266,8 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     """One round's drafts after ``anchor`` / ``anchor_pos`` [N]: the head's draft pass if the policy wants
     it, n-gram matches against ``history`` [N, T] / ``length`` [N] if ``ngram_size``, each row from the
     source the policy prefers, and the head's ``alternatives`` runner-up first tokens (for draft trees)
-    -> (proposal, or None for a plain step; whether the head drafted)."""
+    -> (proposal, or None for a plain step; whether the head drafted). With ``alternatives`` (a tree
+    round) and a head draft, no per-row choice is made: the tree's plan weighs the sources as they are."""
     vocab = drafter.bound_target.lm_head_weight.shape[0]
     ngram_tokens = ngram_sizes = None
     if ngram_size:
@@ -285,10 +286,13 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
             draft = _padded(draft, block_size - 1, anchor, vocab)
     elif ngram_tokens is None or not policy.wants_ngram():
         return None, False
-    use_ngram = None
-    if ngram_tokens is not None:
-        use_ngram = policy.use_ngram(None if draft is None else draft.confidence, ngram_sizes)
-    proposal = make_proposal(draft, ngram_tokens, ngram_sizes, use_ngram, anchor, vocab)
+    if draft is not None and alternatives:
+        proposal = make_proposal(draft, None, None, None, anchor, vocab)  # the head's draft as it is
+    else:
+        use_ngram = None
+        if ngram_tokens is not None:
+            use_ngram = policy.use_ngram(None if draft is None else draft.confidence, ngram_sizes)
+        proposal = make_proposal(draft, ngram_tokens, ngram_sizes, use_ngram, anchor, vocab)
     if draft is not None:
         proposal.head_tokens, proposal.head_confidence = draft.tokens, draft.confidence.float()
         proposal.ngram_tokens, proposal.ngram_size = ngram_tokens, ngram_sizes
