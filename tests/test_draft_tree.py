@@ -7,13 +7,15 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_dflash2 import speculative_generate
+from hf_dflash2 import generation, speculative_generate
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, VerifyPolicy
 from hf_dflash2.draft_tree import (
     accept_tree,
     build_tree,
     common_prefix,
+    gather_path,
     move_path_to_front,
+    path_out_of_place,
     supports_trees,
     tree_attention_mask,
 )
@@ -56,6 +58,7 @@ def test_accept_tree_equals_walking_each_branch():
         result = accept_tree(tree, logits)
         argmax = logits.argmax(-1)
         ngram_end = kh + 1 + kg - c
+        out_of_place = []
         for r in range(n):
             head_slots = list(range(kh + 1))  # slot of the head branch's i-th draft is i
             ngram_slots = list(range(c + 1)) + list(range(kh + 1, ngram_end))  # the n-gram's i-th: shared, then its own
@@ -72,7 +75,9 @@ def test_accept_tree_equals_walking_each_branch():
             assert int(result.accepted[r]) == accepted and int(result.winner[r]) == winner, (trial, r)
             assert result.order[r, : accepted + 1].tolist() == slots[: accepted + 1], (trial, r)
             assert result.tokens[r, : accepted + 1].tolist() == [int(argmax[r, s]) for s in slots[: accepted + 1]]
+            out_of_place.append(slots[: accepted + 1] != list(range(accepted + 1)))
             checked += 1
+        assert bool(path_out_of_place(result.order, result.accepted)) == any(out_of_place), trial
     assert checked > 200
 
 
@@ -118,7 +123,9 @@ def test_cache_after_a_tree_equals_a_linear_verify_of_the_accepted_path():
                               anchor_pos[:, None] + tree.depth[None], tree)
     result = accept_tree(tree, logits)
     assert result.accepted.tolist() == [6, 4] and result.winner.tolist() == [1, 0]
-    moved = move_path_to_front(cache, features, result.order)
+    assert bool(path_out_of_place(result.order, result.accepted))  # row 0's path is the n-gram branch
+    move_path_to_front(cache, result.order)
+    moved = gather_path(features, result.order)
     # The reference: a linear verify of the path (anchor + accepted drafts) on a fresh prefill.
     ref_cache, ref_context, _ = prefill(target, drafter, prompt, mask, 64)
     path = torch.cat([anchor[:, None], result.tokens[:, :4]], 1)  # both rows accepted >= 4
@@ -155,10 +162,13 @@ class ForcedTrees(VerifyPolicy):
 
 @pytest.mark.parametrize("plans", [[(3, 4, 0)], [(2, 6, 1), (0, 5, 0), (4, 0, 0), (0, 0, 0), (1, 1, 3), (0, 0, 2)],
                                    [(4, 9, 2)], [(3, 0, 3)]])
-def test_forced_tree_rounds_keep_greedy_identity(plans):
+def test_forced_tree_rounds_keep_greedy_identity(plans, monkeypatch):
     """Batch 3, left padded, prompts that repeat so n-gram drafts exist; plans (kh, kg, ka) include a
     linear n-gram round (0, kg, 0), a linear head round (kh, 0, 0), a plain step, runner-ups alone and
-    trees whose chains share a prefix."""
+    trees whose chains share a prefix. Paths off the head's chain are moved in the cache (counted)."""
+    moves = []
+    monkeypatch.setattr(generation, "move_path_to_front", lambda cache, order: moves.append(
+        move_path_to_front(cache, order)))
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
     generator = torch.Generator().manual_seed(3)
@@ -168,6 +178,7 @@ def test_forced_tree_rounds_keep_greedy_identity(plans):
     out = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, verify_policy=ForcedTrees(plans),
                                block_size=12)
     assert out.stats.tree_rounds > 0
+    assert 0 < len(moves) < out.stats.tree_rounds  # some paths moved, and not those already in front
     for row, prompt in enumerate(prompts):
         reference = target.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                     max_new_tokens=40, do_sample=False)

@@ -22,9 +22,11 @@ whose drafts agree on their first tokens verifies them once. A row whose drafts 
 verifies a few tokens twice; a row without an n-gram match verifies filler there. Neither can change
 the output: every committed token is the target's own argmax on its path.
 
-After the forward, the accepted path is moved to the front of the round's slots in the target's KV
-cache and in the drafter's features (``gather``), so the caches look exactly as after a linear verify
-of that path and the rest of the loop (holes, crop) is unchanged.
+After the forward, the accepted path is moved to the front of the round's slots in the drafter's
+features at once and in the target's KV cache before the next verify (after the next round's host
+read, which also says whether any row's path is out of place: when the head's chain wins, nothing
+moves), so the caches look exactly as after a linear verify of that path and the rest of the loop
+(holes, crop) is unchanged.
 
 Sampling keeps linear rounds: lossless acceptance over several branches needs multi-draft rejection
 sampling, which greedy decoding does not.
@@ -32,6 +34,7 @@ sampling, which greedy decoding does not.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +73,7 @@ class DraftTree:
     depth: torch.Tensor
     parent: torch.Tensor
     ancestry: torch.Tensor
+    path_order: torch.Tensor
     head_length: int
     shared: int
     ngram_slots: int
@@ -100,22 +104,31 @@ def build_tree(head_tokens: torch.Tensor, head_length: int, ngram_tokens: torch.
     if max_width is not None and width > max_width:
         raise ValueError(f"a tree of kh={kh}, kg={kg} (shared {shared}), ka={ka} needs {width} slots, "
                          f"more than the round's block of {max_width}")
-    device = head_tokens.device
     parts = [head_tokens[:, :kh]]
     if kg > shared:
         parts.append(ngram_tokens[:, shared:kg])
     if ka:
         parts.append(alternative_tokens[:, :ka])
+    depth, parent, ancestry, path_order = tree_layout(kh, kg, shared, ka, head_tokens.device)
+    return DraftTree(torch.cat(parts, dim=1), depth, parent, ancestry, path_order, kh, shared, kg - shared, ka)
+
+
+@functools.lru_cache(maxsize=256)
+def tree_layout(kh: int, kg: int, shared: int, ka: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(depth [W], parent [W], ancestry [W, W], path_order [W, W]) of the slot layout, built once per
+    shape and device: rounds share them read-only instead of paying a few dozen small ops each."""
     region = kg - shared
     depth = torch.cat([torch.arange(kh + 1), torch.arange(shared + 1, kg + 1), torch.ones(ka, dtype=torch.long)])
     parent = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(kh),
                         torch.tensor([shared] if region else [], dtype=torch.long),
                         torch.arange(kh + 1, kh + max(region, 1)), torch.zeros(ka, dtype=torch.long)])
-    ancestry = torch.eye(width, dtype=torch.bool)
+    ancestry = torch.eye(depth.shape[0], dtype=torch.bool)
     for _ in range(max(kh, kg, 1)):  # each pass adds the parent's ancestry: the deepest path needs kg passes
         ancestry = ancestry | ancestry[parent]
-    return DraftTree(torch.cat(parts, dim=1), depth.to(device), parent.to(device), ancestry.to(device),
-                     kh, shared, region, ka)
+    # path_order[s, d]: the slot at depth d on the path to s (slot 0 past the path's end)
+    at_depth = ancestry[:, None, :] & (depth[None, None, :] == torch.arange(depth.shape[0])[None, :, None])
+    path_order = at_depth.int().argmax(-1)
+    return tuple(t.to(device) for t in (depth, parent, ancestry, path_order))
 
 
 def tree_attention_mask(valid: torch.Tensor, tree: DraftTree, implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -150,14 +163,12 @@ class TreeAcceptance:
 def accept_tree(tree: DraftTree, logits: torch.Tensor) -> TreeAcceptance:
     """Greedy acceptance over the tree: logits [N, W, V] of the verify forward."""
     argmax = logits.argmax(-1)  # [N, W]
-    n, width = argmax.shape
+    n = argmax.shape[0]
     match = torch.cat([argmax.new_ones(n, 1, dtype=torch.bool), tree.tokens == argmax[:, tree.parent[1:]]], dim=1)
     ok = ~(tree.ancestry[None] & ~match[:, None, :]).any(-1)  # [N, W]: the whole path to the slot matches
     best = (ok * tree.depth[None]).argmax(-1)  # the deepest accepted slot; ties go to lower slots (the head)
     accepted = tree.depth[best]
-    on_path = tree.ancestry[best]  # [N, W]
-    by_depth = torch.arange(width, device=argmax.device)
-    order = (on_path[:, None, :] & (tree.depth[None, None, :] == by_depth[None, :, None])).int().argmax(-1)
+    order = tree.path_order[best]
     kh, shared, ngram_end = tree.head_length, tree.shared, tree.head_length + 1 + tree.ngram_slots
     return TreeAcceptance(
         accepted=accepted,
@@ -170,13 +181,24 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor) -> TreeAcceptance:
     )
 
 
-def move_path_to_front(cache, features: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Reorder the round's last W slots of every cache layer (in place) and ``features`` [N, W, F] by
-    ``order`` [N, W] -> the reordered features."""
+def path_out_of_place(order: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
+    """order: [N, W], accepted: [N] -> scalar bool: some row's path (its first ``accepted + 1`` slots) is
+    not already at the front, so the cache must be reordered. It is in place whenever the head's chain
+    won; the slots past a row's path are cropped or left as masked holes and may stay as they are."""
+    by_depth = torch.arange(order.shape[1], device=order.device)
+    return ((order != by_depth) & (by_depth <= accepted[:, None])).any()
+
+
+def move_path_to_front(cache, order: torch.Tensor) -> None:
+    """Reorder the round's last W slots of every cache layer in place by ``order`` [N, W]."""
     n, width = order.shape
     for layer in cache.layers:
         for name in ("keys", "values"):
             buffer = getattr(layer, name)
             index = order[:, None, :, None].expand(n, buffer.shape[1], width, buffer.shape[3])
             buffer[:, :, -width:] = buffer[:, :, -width:].gather(2, index)
+
+
+def gather_path(features: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """features: [N, W, F] of the round's slots -> the same reordered by ``order`` [N, W]."""
     return features.gather(1, order[..., None].expand(-1, -1, features.shape[-1]))

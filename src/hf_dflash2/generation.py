@@ -33,7 +33,9 @@ from .draft_tree import (
     accept_tree,
     build_tree,
     common_prefix,
+    gather_path,
     move_path_to_front,
+    path_out_of_place,
     supports_trees,
     tree_attention_mask,
 )
@@ -216,6 +218,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
+    path_order, path_moves = None, no  # last round's tree path, moved to the cache's front after the host read
     while True:
         history = length = None
         if ngram_size:
@@ -235,13 +238,16 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             else:  # (k, -, -, -)
                 plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0, 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
-        # plan, and whether any row took the head's draft.
-        any_running, all_running, crop, k, k_ngram, k_runner_ups, shared, head_used = torch.stack([
+        # plan, whether any row took the head's draft, and whether last round's tree path must move.
+        any_running, all_running, crop, k, k_ngram, k_runner_ups, shared, head_used, move = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
             *(torch.as_tensor(x, device=no.device).long() for x in plan),
-            (no if draft is None else draft.uses_head).long()]).tolist()
+            (no if draft is None else draft.uses_head).long(), path_moves.long()]).tolist()
         if not any_running:
             return
+        if move:  # before the crop: the path's slots are among the cache's last W
+            move_path_to_front(cache, path_order)
+        path_order, path_moves = None, no
         if crop > 0:
             cache.crop(-crop)
             context.crop(crop)
@@ -289,7 +295,9 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                                           rows.anchor_pos[:, None] + tree.depth[None], tree)
             with record_function("dflash2::accept"):
                 result = accept_tree(tree, logits)
-                features = move_path_to_front(cache, features, result.order)  # as if the path was verified alone
+                # as if the path was verified alone: the features now, the cache after the next host read
+                features = gather_path(features, result.order)
+                path_order, path_moves = result.order, path_out_of_place(result.order, result.accepted)
                 positions = rows.anchor_pos[:, None] + offsets[: k + 1]
                 accepted, tokens = result.accepted, result.tokens
                 ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)

@@ -1,0 +1,153 @@
+"""Which tree of the head's candidates should a round verify? Acceptance of tree shapes at equal size.
+
+    python benchmarks/tree_shapes.py [--prompts 6] [--new-tokens 128]
+
+fp32 greedy decoding of MT-Bench and HumanEval prompts with the committed head, every round a plain
+step plus one draft, so every generated position is drafted once; the greedy text says which tokens a
+round's tree would have had accepted. For trees of M drafted nodes (M = 4, 7, 11, 15) built from the
+head's top-16 candidates per position, the mean tokens a round commits (1 + the deepest accepted node):
+
+- ``chain``: the selector's path, its first min(M, S) tokens (what a linear round verifies);
+- ``chain + runner-ups``: the chain's first kh tokens and M - kh of the next likeliest first tokens
+  (today's layout without the n-gram branch), the split best on average for that set (an upper bound
+  for any fixed rule);
+- ``unary best-first``: the M nodes of highest path probability when each position's candidates are
+  taken as independent (the unary softmax; what a DFlash-1 head can rank);
+- ``selector best-first``: the same with the selector's K x K scores as a Markov chain over the
+  candidates (``P(b | a) = softmax(S_t(a, .))``): dFlash 2's pairwise scores rank deeper branches.
+
+No time is measured. Writes benchmarks/results/tree_shapes.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import sys
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS, save, table  # noqa: E402
+
+from hf_dflash2 import speculative_generate  # noqa: E402
+from hf_dflash2.assets import load_prompt_set  # noqa: E402
+from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths  # noqa: E402
+from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
+from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
+
+SIZES = (4, 7, 11, 15)
+
+
+def best_first(size: int, depth_count: int, step_probs) -> list[tuple[int, int, int]]:
+    """The ``size`` nodes of highest path probability -> [(depth, candidate, parent node index)], parents
+    first. ``step_probs(depth, parent_candidate)`` -> probabilities of the K candidates at ``depth``
+    (parent_candidate None at depth 0)."""
+    nodes: list[tuple[int, int, int]] = []
+    frontier = [(-float(p), 0, j, -1) for j, p in enumerate(step_probs(0, None))]
+    heapq.heapify(frontier)
+    probs = []
+    while frontier and len(nodes) < size:
+        neg, depth, candidate, parent = heapq.heappop(frontier)
+        nodes.append((depth, candidate, parent))
+        probs.append(-neg)
+        if depth + 1 < depth_count:
+            index = len(nodes) - 1
+            for j, p in enumerate(step_probs(depth + 1, candidate)):
+                heapq.heappush(frontier, (neg * float(p), depth + 1, j, index))
+    return nodes
+
+
+def committed(nodes, candidates: list[list[int]], truth: list[int]) -> int:
+    """1 + the deepest node whose path matches ``truth`` (candidates[d][j]: token of candidate j at d)."""
+    ok = []
+    best = 0
+    for depth, candidate, parent in nodes:
+        good = candidates[depth][candidate] == truth[depth] and (parent < 0 or ok[parent])
+        ok.append(good)
+        if good:
+            best = max(best, depth + 1)
+    return 1 + best
+
+
+def chain_nodes(path: list[int], length: int) -> list[tuple[int, int, int]]:
+    return [(d, path[d], d - 1) for d in range(min(length, len(path)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    target, tokenizer = load_target_for_decoding("fp32", None, None)
+    apply_chat_template_option(tokenizer, "auto")
+    head = load_head(default_head("smollm2-135m-dflash2"), target)
+    rounds_seen = []
+    draft_block = head.draft_block
+
+    def recorded(anchor, anchor_pos, *rest, **kwargs):
+        out = draft_block(anchor, anchor_pos, *rest, **kwargs)
+        selector = head.candidate_selector(out.hidden, out.logits, anchor, 0.0, None, head.draft_vocab)
+        unary = out.logits[0].float().softmax(-1)  # [S, V'] over the draft vocabulary
+        top = unary.topk(selector.candidate_ids.shape[-1], dim=-1)
+        rounds_seen.append({
+            "anchor_pos": int(anchor_pos[0]),
+            "path": selector.choice[0].tolist(),
+            "candidates": selector.candidate_ids[0].tolist(),  # [S, K] by unary score, as the selector ranks
+            "unary": top.values.tolist(),  # [S, K] the same candidates' unary probabilities
+            "transitions": selector.tables[0].float().softmax(-1).tolist(),  # [S, K, K]
+        })
+        return out
+
+    head.draft_block = recorded
+    rows = []
+    for name in ("mtbench", "humaneval"):
+        records = []
+        for prompt in tqdm(load_prompt_set(name, args.prompts), desc=name, unit="prompt"):
+            ids = encode_prompt(tokenizer, prompt, target.device)
+            rounds_seen.clear()
+            out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, ngram_size=0,
+                                       draft_tree=False, verify_policy=ForcedVerifyLengths([1]), block_size=8)
+            text = out.sequences[0].tolist()
+            for r in rounds_seen:
+                depth_count = len(r["path"])
+                if r["anchor_pos"] + depth_count < len(text):
+                    r["truth"] = text[r["anchor_pos"] + 1 : r["anchor_pos"] + 1 + depth_count]
+                    records.append(dict(r))
+        for size in SIZES:
+            scores = {"chain": [], "unary best-first": [], "selector best-first": []}
+            splits = {kh: [] for kh in range(0, min(size, 7) + 1) if size - kh <= 15}
+            for r in records:
+                cands, truth, depth_count = r["candidates"], r["truth"], len(r["path"])
+                scores["chain"].append(committed(chain_nodes(r["path"], size), cands, truth))
+                for kh in splits:
+                    runner_ups = [j for j in range(len(cands[0])) if j != r["path"][0]][: size - kh]
+                    nodes = chain_nodes(r["path"], kh) + [(0, j, -1) for j in runner_ups]
+                    splits[kh].append(committed(nodes, cands, truth))
+                unary = best_first(size, depth_count, lambda d, _parent, u=r["unary"]: u[d])
+                scores["unary best-first"].append(committed(unary, cands, truth))
+                trans = r["transitions"]
+                markov = best_first(size, depth_count, lambda d, parent, t=trans: t[d][0 if parent is None else parent])
+                scores["selector best-first"].append(committed(markov, cands, truth))
+            best_kh = max(splits, key=lambda kh: sum(splits[kh]))
+            row = {"set": name, "tree_size": size, "rounds": len(records)}
+            row["chain"] = round(sum(scores["chain"]) / len(records), 3)
+            row["chain + runner-ups (best split)"] = round(sum(splits[best_kh]) / len(records), 3)
+            row["best kh"] = best_kh
+            row["unary best-first"] = round(sum(scores["unary best-first"]) / len(records), 3)
+            row["selector best-first"] = round(sum(scores["selector best-first"]) / len(records), 3)
+            rows.append(row)
+    columns = list(rows[0])
+    print(table(rows, columns))
+    command = "python benchmarks/tree_shapes.py " + " ".join(sys.argv[1:])
+    save("tree_shapes", {"command": command, "rows": rows})
+    note = ("Mean tokens a round commits (1 + deepest accepted node) for trees of the head's candidates, "
+            "fp32 greedy, committed head; no n-gram branch.")
+    (RESULTS / "tree_shapes.md").write_text(note + "\n\n" + table(rows, columns) + f"\n\nCommand: `{command}`\n")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()
