@@ -8,8 +8,8 @@ target decodes in fp32, where every variant's output equals plain greedy, and ea
 *modelled* from the cost model of ``--cost-dtype`` (measured or cached on this machine): every round costs
 verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
 nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
-head's chain with its runner-up first tokens as a tree (block 8), head + n-gram drafts at block 16 with
-one source per row, and the default: head + n-gram + runner-ups verified as one tree (``draft_tree``).
+head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
+source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``).
 Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/ngram_hybrid.{json,md,png}.
 """
@@ -34,9 +34,10 @@ from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_
 
 VARIANTS = {
     "head alone, block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": False},
-    "head + runner-ups (trees), block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": True},
+    "head's tree, block 8": {"ngram_size": 0, "block_size": 8, "draft_tree": True},
+    "head's tree, block 16": {"ngram_size": 0, "block_size": 16, "draft_tree": True},
     "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
-    "head + n-gram + runner-ups (trees), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
+    "head's tree + n-gram (default), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
 }
 
 

@@ -54,14 +54,14 @@ verified alone when its rate beats a plain step. Where n-gram drafts keep winnin
 is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
 
 Draft trees (greedy rounds of the fast loop where the head drafted; ``draft_tree``): ``choose_tree``
-plans how far to verify each branch, ``(kh, kg, ka)``: the head's chain, the n-gram's chain and the
-head's runner-up first tokens, over the same rate. The chains hang from the anchor and differ after their
-common prefix, so at most one of them is accepted past it: the expected committed tokens add the two
-chains' reach beyond the shared depths and take the likelier estimate within them; each runner-up (it
-differs from both chains' first tokens) adds its calibrated probability (row ``RUNNER_UP_ROW``, one rate
-per rank); the cost is that of verifying the tree's ``kh + kg - shared + ka`` drafts. ``(kh, 0, 0)`` or
-``(0, kg, 0)`` is a linear round of one source, ``(0, 0, 0)`` a plain step. Each branch's own accepted
-run feeds its source's calibration, so a tree round calibrates all of them.
+plans ``(m, kg)``: verify the head's ``m`` likeliest continuations (nodes ranked by the path probability
+the head gives them) and ``kg`` tokens of the n-gram's chain. A node is accepted with its path
+probability times a calibration rate for its depth (row ``TREE_ROW``: accepted nodes over predicted, so
+the rate absorbs how far the head's probabilities are from the truth); nodes add up, since each is its
+own event. The n-gram chain hangs from the deepest head node that spells its first tokens, so it adds
+its reach beyond its common prefix with the head's own chain (``shared``). The cost is that of
+verifying ``m + kg`` drafts. ``(0, kg)`` is a linear n-gram round, ``(0, 0)`` a plain step. A tree
+round calibrates the tree row, and the head's chain and the n-gram's as far as each was in the tree.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
 from the past alone. ``k`` must therefore not depend on the sampled draft tokens themselves; at
@@ -93,7 +93,7 @@ from transformers import DynamicCache
 
 from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_features
 
-RUNNER_UP_ROW = 1 + NGRAM_MAX  # calibration row of the head's runner-up first tokens (draft trees)
+TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
 COST_MODEL_VERSION = 3  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block
 
@@ -340,23 +340,22 @@ class VerifyPolicy:
     def chosen(self, k: int, head_used: bool = True) -> None:
         pass
 
-    def observe(self, confidence: torch.Tensor | None, k: int, accepted: torch.Tensor,
+    def observe(self, confidence: torch.Tensor | None, k: "int | torch.Tensor", accepted: torch.Tensor,
                 source: torch.Tensor | None = None) -> None:
-        pass
+        """A round verified ``k`` drafts (one count, or [N] per row) and ``accepted`` [N] of them."""
 
-    #: Whether ``choose_tree`` may be asked, on greedy rounds where both the head and n-gram drafts exist.
+    #: Whether ``choose_tree`` may be asked, on greedy rounds where the head drafted.
     plans_trees = False
 
-    def choose_tree(self, head_confidence: torch.Tensor, ngram_size: torch.Tensor, shared: torch.Tensor,
-                    alternative_probs: torch.Tensor | None = None) -> torch.Tensor:
-        """[3] (kh, kg, ka): verify the head's first kh drafts, the n-gram's first kg and the head's first
-        ka runner-up first tokens as branches of one tree (``draft_tree``); (kh, 0, 0) is a linear head
-        round, (0, kg, 0) a linear n-gram round, (0, 0, 0) a plain step. ``shared`` [N]: the common prefix
-        of the two drafts per row (0 without an n-gram); ``alternative_probs`` [N, A]: the runner-ups'
-        probabilities under the head."""
+    def choose_tree(self, node_logp: torch.Tensor, node_depth: torch.Tensor, ngram_size: torch.Tensor,
+                    shared: torch.Tensor) -> torch.Tensor:
+        """[2] (m, kg): verify the head's ``m`` likeliest continuations and the n-gram's first ``kg`` drafts
+        as one tree (``draft_tree``); (0, kg) is a linear n-gram round, (0, 0) a plain step. node_logp,
+        node_depth: [N, M] the ranked nodes' path log-probabilities and depths; ngram_size: [N] (0: no
+        match); shared: [N] the n-gram's common prefix with the head's own chain."""
         raise NotImplementedError
 
-    def observe_runner_ups(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
+    def observe_tree(self, node_logp: torch.Tensor, node_depth: torch.Tensor, accepted: torch.Tensor) -> None:
         pass
 
 
@@ -498,11 +497,11 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
         """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens, row
-        ``RUNNER_UP_ROW`` the head's runner-up first tokens by rank (column r: the (r + 2)-th likeliest)."""
+        ``TREE_ROW`` draft-tree head nodes by depth (column d: depth d + 1)."""
         s = self.block_size - 1
         if self.observed is None:
-            self.observed = torch.zeros(RUNNER_UP_ROW + 1, s, dtype=torch.float32, device=like.device)
-            self.predicted = torch.zeros(RUNNER_UP_ROW + 1, s, dtype=torch.float32, device=like.device)
+            self.observed = torch.zeros(TREE_ROW + 1, s, dtype=torch.float32, device=like.device)
+            self.predicted = torch.zeros(TREE_ROW + 1, s, dtype=torch.float32, device=like.device)
             # [S + 1]: verifying the anchor and k drafts
             self._verify_cost = torch.tensor(self.cost.verify_seconds[: s + 1], dtype=torch.float32, device=like.device)
             self._step_cost = self.cost.verify(1)
@@ -536,35 +535,30 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         size = torch.arange(self.block_size, device=expected.device)
         return self._best_plan(expected, size, confidence.shape[0], drafted)
 
-    def choose_tree(self, head_confidence, ngram_size, shared, alternative_probs=None):
-        """Expected committed tokens of each (kh, kg, ka), per row: depths both chains share count once
-        (the likelier estimate), deeper ones add (the chains differ there, so at most one is accepted);
-        each runner-up adds its calibrated probability (it differs from both chains' first tokens)."""
+    def choose_tree(self, node_logp, node_depth, ngram_size, shared):
+        """Expected committed tokens of each (m, kg), summed over rows: the first m nodes' calibrated
+        probabilities, plus the n-gram chain's calibrated reach beyond its prefix shared with the head's
+        chain when m > 0 (the whole reach when m = 0: a linear n-gram round)."""
         self._head_drafted = True
         s = self.block_size - 1
-        rows = head_confidence.shape[0]
-        ones = torch.ones(rows, s, device=head_confidence.device)
-        head_reach = self._acceptance(head_confidence, None).cumprod(-1)  # [N, S]
+        rows, ranked = node_logp.shape[0], min(node_logp.shape[1], s)
+        ones = torch.ones(rows, s, device=node_logp.device)
+        depth_index = (node_depth[:, :ranked] - 1).clamp(0, s - 1)
+        rate = self._ratio(ones)[TREE_ROW][depth_index]
+        node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0).sum(0)  # [ranked]
+        head = torch.cat([node.new_zeros(1), node.cumsum(0)])  # [m + 1]
         ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
         depth = torch.arange(1, s + 1, device=ones.device)
         lengths = torch.arange(s + 1, device=ones.device)
-        within = (depth[None] <= lengths[:, None]).float()  # [S + 1 lengths, S depths]
-        head = head_reach[:, None, None, :] * within[None, :, None, :]  # [N, kh, kg, depth]
-        ngram = ngram_reach[:, None, None, :] * within[None, None, :, :]
-        both = (depth[None] <= shared[:, None])[:, None, None, :]
-        expected = (1.0 + torch.where(both, head.maximum(ngram), head + ngram).sum(-1)).sum(0)  # [S + 1, S + 1]
-        overlap = torch.minimum(shared.min(), torch.minimum(lengths[:, None], lengths[None, :]))
-        size = lengths[:, None] + lengths[None, :] - overlap  # drafts in the tree
-        count = 0 if alternative_probs is None else min(alternative_probs.shape[1], s)
-        runner_ups = torch.zeros(count + 1, device=ones.device)
-        if count:
-            ratio = self._ratio(ones)[RUNNER_UP_ROW, :count]
-            runner_ups[1:] = (alternative_probs[:, :count].float() * ratio).clamp(0.0, 1.0).sum(0).cumsum(0)
-        expected = expected[..., None] + runner_ups  # [S + 1, S + 1, A + 1]
-        size = size[..., None] + torch.arange(count + 1, device=ones.device)
+        beyond = (depth[None] > shared[:, None]).float()  # [N, S]: the depths the head's chain does not hold
+        # [kg + 1, S]: a chain of kg tokens from depth `shared` covers depths shared+1 .. shared+kg
+        covered = (depth[None, None] <= shared[None, :, None] + lengths[:, None, None]).float()
+        with_head = (ngram_reach[None] * beyond[None] * covered).sum((1, 2))  # [kg + 1]
+        alone = (ngram_reach[None] * (depth[None, None] <= lengths[:, None, None])).sum((1, 2))
+        expected = rows + head[:, None] + torch.cat([alone[None], with_head[None].expand(ranked, -1)], dim=0)
+        size = lengths[: ranked + 1, None] + lengths[None, :]
         plan = self._best_plan(expected.flatten(), size.flatten(), rows, True)
-        per_kh = (s + 1) * (count + 1)
-        return torch.stack([plan // per_kh, plan % per_kh // (count + 1), plan % (count + 1)])
+        return torch.stack([plan // (s + 1), plan % (s + 1)])
 
     def _best_plan(self, expected: torch.Tensor, size: torch.Tensor, rows: int, drafted: bool) -> torch.Tensor:
         """Index of the best plan among candidates with ``expected`` committed tokens (summed over rows) and
@@ -609,21 +603,21 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         elif head_used:
             self.skip = 0
 
-    def observe_runner_ups(self, probs: torch.Tensor, accepted: torch.Tensor) -> None:
-        """probs, accepted: [N, ka] the verified runner-ups' probabilities and whether each was accepted."""
-        if probs.shape[1] == 0:
+    def observe_tree(self, node_logp, node_depth, accepted) -> None:
+        """node_logp, node_depth, accepted: [N, m] the verified head nodes and whether each was accepted."""
+        if node_logp.shape[1] == 0:
             return
-        self._ratio(probs)
-        count = probs.shape[1]
-        self.observed[RUNNER_UP_ROW, :count] += accepted.float().sum(0)
-        self.predicted[RUNNER_UP_ROW, :count] += probs.float().sum(0)
+        self._ratio(node_logp)
+        column = (node_depth - 1).clamp(0, self.block_size - 2).flatten()
+        self.observed[TREE_ROW].index_add_(0, column, accepted.float().flatten())
+        self.predicted[TREE_ROW].index_add_(0, column, node_logp.float().exp().flatten())
 
     def observe(self, confidence, k, accepted, source=None) -> None:
-        if confidence is None or k == 0:
+        if confidence is None or (not torch.is_tensor(k) and k == 0):
             return
         self._ratio(confidence)
         position = torch.arange(self.block_size - 1, device=accepted.device)
-        verified = position < k
+        verified = position < (k[:, None] if torch.is_tensor(k) else k)  # k: one length, or one per row
         weight = 1.0 if source is None else (source >= 0).float()[:, None]  # rows without a draft say nothing
         reached = ((accepted[:, None] >= position) & verified) * weight
         passed = ((accepted[:, None] > position) & verified) * weight

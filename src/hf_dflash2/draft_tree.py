@@ -1,32 +1,24 @@
-"""Draft trees: the head's draft, an n-gram draft and the head's runner-up first tokens verified in one
-target forward.
+"""Draft trees: the head's likeliest continuations and an n-gram draft verified in one target forward.
 
-Greedy rounds of the fast loop only. When the head drafted and a row's text also matched an earlier
-n-gram, the two drafts usually disagree, and either may be the one the target accepts; and when the
-head's first token is wrong, one of its next likeliest often is (on held-out prompts the committed
-head's first draft is right in 33 % / 49 % of rounds on MT-Bench / HumanEval, and one of its 6
-runner-ups in another 27 % / 26 %: ``benchmarks/runner_ups.py``). Verifying all of them costs one
-forward over ``1 + kh + kg - shared + ka`` tokens, which on a CPU in bf16 (or a GPU) costs little
-more than verifying one chain; the round keeps the path the target accepts furthest.
+Greedy rounds of the fast loop only. The head proposes, at each of its S positions, K candidates with
+a probability for each given the previous position's candidate: dFlash 2's selector scores every pair
+(``P(b | a) = softmax_b S_t(a, b)``, a Markov chain over the candidates), DFlash-1's unary distribution
+ranks them independently. A round verifies the ``m`` continuations of highest path probability (best
+first: a node's probability is its path's product, so the ``m`` likeliest nodes always include their
+parents), and the n-gram draft as a chain hanging from the deepest head node that spells its first
+tokens. At equal size this beats the head's chain with runner-up first tokens by 5-10 % in tokens per
+round (``benchmarks/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16 (or a GPU) little
+more than verifying 8. The round keeps the path the target accepts furthest.
 
-Slot layout, the same for every row of the batch (so one ``[W, W]`` ancestry serves them all)::
-
-    slot 0                 the anchor (depth 0)
-    slots 1 .. kh          the head's first kh drafts, a chain (depth 1 .. kh)
-    next kg - shared       the n-gram's drafts shared+1 .. kg, a chain hanging from slot ``shared``
-                           (depth shared+1 .. kg)
-    last ka                the head's runner-up first tokens, each hanging from the anchor (depth 1)
-
-``shared`` is the batch's shortest common prefix of the two drafts (capped by kh and kg), so a row
-whose drafts agree on their first tokens verifies them once. A row whose drafts agree for longer simply
-verifies a few tokens twice; a row without an n-gram match verifies filler there. Neither can change
-the output: every committed token is the target's own argmax on its path.
+Slots, per row: 0 the anchor; 1..m the head's nodes in order of probability (so a parent comes before
+its children); m+1..m+kg the n-gram chain. Rows differ in shape, so depth, parent and ancestry are
+per row, and the target's attention mask is built from them.
 
 After the forward, the accepted path is moved to the front of the round's slots in the drafter's
 features at once and in the target's KV cache before the next verify (after the next round's host
-read, which also says whether any row's path is out of place: when the head's chain wins, nothing
-moves), so the caches look exactly as after a linear verify of that path and the rest of the loop
-(holes, crop) is unchanged.
+read, which also says whether any row's path is out of place: when a row's path is already slots
+0..a, nothing moves), so the caches look exactly as after a linear verify of that path and the rest of
+the loop (holes, crop) is unchanged.
 
 Sampling keeps linear rounds: lossless acceptance over several branches needs multi-draft rejection
 sampling, which greedy decoding does not.
@@ -34,13 +26,12 @@ sampling, which greedy decoding does not.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicLayer
 
-RUNNER_UPS = 6  # the head's runner-up first tokens a tree may verify
+TREE_TOP_K = 16  # candidates per position a DFlash-1 head's tree ranks (dFlash 2: its selector's K)
 
 
 def supports_trees(target, cache) -> bool:
@@ -63,72 +54,134 @@ def common_prefix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class HeadNodes:
+    """The head's continuations ranked by path probability (best first), per row: tokens, depth (1 = the
+    first drafted position), logp (the path's log-probability) and parent (rank of the parent node, -1
+    for a first position): [N, M]. Any first ``m`` of them form a tree."""
+
+    tokens: torch.Tensor
+    depth: torch.Tensor
+    logp: torch.Tensor
+    parent: torch.Tensor
+
+
+def best_first(candidate_ids: torch.Tensor, transition_logp: torch.Tensor, size: int) -> HeadNodes:
+    """candidate_ids: [N, S, K] the head's candidates per position; transition_logp: [N, S, K, K] the
+    log-probability of each candidate (last axis) given the previous position's candidate (third axis;
+    position 0's rows all hold the distribution after the anchor) -> the ``size`` likeliest nodes.
+
+    A beam per depth: a node among the ``size`` likeliest overall is among the ``size`` likeliest of its
+    depth, and so is its parent, so keeping ``size`` per depth loses none of them."""
+    n, s, k = candidate_ids.shape
+    rows = torch.arange(n, device=candidate_ids.device)[:, None]
+    logp, cand = transition_logp[:, 0, 0].topk(min(size, k), dim=-1)
+    levels = [(logp, cand, torch.full_like(cand, -1))]
+    for depth in range(1, s):
+        previous_logp, previous_cand = levels[-1][0], levels[-1][1]
+        step = transition_logp[:, depth].gather(1, previous_cand[..., None].expand(-1, -1, k))  # [N, b, K]
+        scores = (previous_logp[..., None] + step).flatten(1)
+        logp, flat = scores.topk(min(size, scores.shape[1]), dim=-1)
+        levels.append((logp, flat % k, flat // k))
+    widths = [level[0].shape[1] for level in levels]
+    offsets = torch.tensor([0, *widths[:-1]], device=rows.device).cumsum(0)
+    depth = torch.cat([torch.full((w,), d + 1, device=rows.device) for d, w in enumerate(widths)])
+    logp = torch.cat([level[0] for level in levels], dim=1)  # [N, total]
+    tokens = torch.cat([candidate_ids[:, d].gather(1, level[1]) for d, level in enumerate(levels)], dim=1)
+    parent = torch.cat([torch.where(level[2] < 0, -1, level[2] + offsets[d - 1]) for d, level in enumerate(levels)],
+                       dim=1)
+    # a child never outranks its parent (shallower first when a step has probability 1)
+    chosen = (logp - 1e-4 * depth).topk(min(size, logp.shape[1]), dim=-1).indices  # [N, M] by rank
+    rank_of = torch.full_like(logp, -1, dtype=torch.long).scatter_(
+        1, chosen, torch.arange(chosen.shape[1], device=rows.device).expand_as(chosen))
+    chosen_parent = parent.gather(1, chosen)
+    parent_rank = torch.where(chosen_parent < 0, -1, rank_of.gather(1, chosen_parent.clamp_min(0)))
+    return HeadNodes(tokens.gather(1, chosen), depth.expand_as(logp).gather(1, chosen), logp.gather(1, chosen),
+                     parent_rank)
+
+
+def rank_continuations(drafter, draft, size: int) -> HeadNodes:
+    """The head's ``size`` likeliest continuations from its ``DraftOutput``: by the selector's pair scores
+    (dFlash 2) or, without them (DFlash-1), by each position's unary top ``TREE_TOP_K`` as independent."""
+    if draft.pair_scores is not None:
+        return best_first(draft.q_ids, draft.pair_scores.float().log_softmax(-1), size)
+    logp, top = draft.logits.float().log_softmax(-1).topk(min(TREE_TOP_K, draft.logits.shape[-1]), dim=-1)
+    ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
+    return best_first(ids, logp[:, :, None, :].expand(-1, -1, logp.shape[-1], -1), size)
+
+
+def deepest_spelling(tokens: torch.Tensor, depth: torch.Tensor, ancestry: torch.Tensor,
+                     sequence: torch.Tensor) -> torch.Tensor:
+    """tokens: [N, W - 1] slots 1..; depth: [N, W]; ancestry: [N, W, W]; sequence: [N, L] -> [N] the
+    deepest slot whose path from the anchor spells ``sequence``'s first tokens (0: the anchor)."""
+    index = (depth[:, 1:] - 1).clamp(0, sequence.shape[1] - 1)
+    match = (tokens == sequence.gather(1, index)) & (depth[:, 1:] <= sequence.shape[1])
+    match = torch.cat([match.new_ones(match.shape[0], 1), match], dim=1)
+    spelled = ~(ancestry & ~match[:, None, :]).any(-1)
+    return (spelled * depth).argmax(-1)
+
+
+def ancestry_of(parent: torch.Tensor) -> torch.Tensor:
+    """parent: [N, W] (slot 0 its own parent) -> [N, W, W] bool, ``[n, s, t]``: t is s or on its path."""
+    n, width = parent.shape
+    ancestry = torch.eye(width, dtype=torch.bool, device=parent.device).expand(n, width, width)
+    jump = parent
+    for _ in range(max(1, (width - 1).bit_length())):  # pointer jumping: paths of up to W - 1 steps
+        ancestry = ancestry | ancestry.gather(1, jump[..., None].expand(n, width, width))
+        jump = jump.gather(1, jump)
+    return ancestry
+
+
+@dataclass
 class DraftTree:
-    """tokens: [N, W - 1] the drafts in slots 1..W-1; depth, parent: [W] (slot 0, the anchor, is its own
-    parent); ancestry: [W, W] bool, ``ancestry[s, t]``: slot ``t`` is ``s`` or on the path to it;
-    head_length, shared, ngram_slots, alternatives: kh, the n-gram branch's attachment depth, its slots
-    (kg - shared) and ka (the slot layout in the module docstring)."""
+    """One round's tree, per row. tokens: [N, W - 1] slots 1..W-1; depth, parent: [N, W] (slot 0, the
+    anchor, is its own parent); ancestry: [N, W, W] (``[n, s, t]``: slot t is s or on the path to it);
+    head_nodes m (slots 1..m), ngram_slots kg (slots m+1..m+kg); ngram_attach: [N] the slot the n-gram
+    chain hangs from; greedy_slot: [N] the deepest head slot on the head's own chain (its selector path)."""
 
     tokens: torch.Tensor
     depth: torch.Tensor
     parent: torch.Tensor
     ancestry: torch.Tensor
-    path_order: torch.Tensor
-    head_length: int
-    shared: int
+    head_nodes: int
     ngram_slots: int
-    alternatives: int
+    ngram_attach: torch.Tensor
+    greedy_slot: torch.Tensor
 
     @property
     def width(self) -> int:
-        return self.depth.shape[0]
+        return self.depth.shape[1]
 
 
-def tree_size(head_length: int, ngram_length: int, shared: int, alternatives: int) -> int:
-    """Drafted slots of a tree (its width minus the anchor)."""
-    return head_length + ngram_length - min(shared, head_length, ngram_length) + alternatives
-
-
-def build_tree(head_tokens: torch.Tensor, head_length: int, ngram_tokens: torch.Tensor | None, ngram_length: int,
-               shared: int, alternative_tokens: torch.Tensor | None = None, alternatives: int = 0,
-               max_width: int | None = None) -> DraftTree:
-    """head_tokens: [N, >= kh]; ngram_tokens: [N, >= kg] (None when kg = 0); alternative_tokens: [N, >= ka];
-    shared: the batch's common prefix of the two drafts (any value; it is capped by kh and kg here). The
-    tree has at most ``max_width`` slots; one with neither an n-gram slot nor an alternative is refused
-    (that round is a linear head verify)."""
-    kh, kg, ka = head_length, ngram_length, alternatives
-    shared = min(shared, kh, kg)
-    width = 1 + tree_size(kh, kg, shared, ka)
-    if width == 1 + kh:
-        raise ValueError(f"a tree of kh={kh}, kg={kg} (shared {shared}), ka={ka} has no branch besides the head's")
+def build_tree(nodes: HeadNodes, head_nodes: int, head_chain: torch.Tensor, ngram_tokens: torch.Tensor | None = None,
+               ngram_length: int = 0, max_width: int | None = None) -> DraftTree:
+    """The first ``head_nodes`` of ``nodes`` and ``ngram_length`` tokens of ``ngram_tokens`` [N, L] as one
+    tree; ``head_chain`` [N, S]: the head's own draft (to find it in the tree, for calibration)."""
+    m, kg = head_nodes, ngram_length if ngram_tokens is not None else 0
+    width = 1 + m + kg
+    if m > nodes.tokens.shape[1]:
+        raise ValueError(f"a tree of {m} head nodes, but the round ranked {nodes.tokens.shape[1]}")
     if max_width is not None and width > max_width:
-        raise ValueError(f"a tree of kh={kh}, kg={kg} (shared {shared}), ka={ka} needs {width} slots, "
+        raise ValueError(f"a tree of {m} head nodes and {kg} n-gram drafts needs {width} slots, "
                          f"more than the round's block of {max_width}")
-    parts = [head_tokens[:, :kh]]
-    if kg > shared:
-        parts.append(ngram_tokens[:, shared:kg])
-    if ka:
-        parts.append(alternative_tokens[:, :ka])
-    depth, parent, ancestry, path_order = tree_layout(kh, kg, shared, ka, head_tokens.device)
-    return DraftTree(torch.cat(parts, dim=1), depth, parent, ancestry, path_order, kh, shared, kg - shared, ka)
-
-
-@functools.lru_cache(maxsize=256)
-def tree_layout(kh: int, kg: int, shared: int, ka: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(depth [W], parent [W], ancestry [W, W], path_order [W, W]) of the slot layout, built once per
-    shape and device: rounds share them read-only instead of paying a few dozen small ops each."""
-    region = kg - shared
-    depth = torch.cat([torch.arange(kh + 1), torch.arange(shared + 1, kg + 1), torch.ones(ka, dtype=torch.long)])
-    parent = torch.cat([torch.zeros(1, dtype=torch.long), torch.arange(kh),
-                        torch.tensor([shared] if region else [], dtype=torch.long),
-                        torch.arange(kh + 1, kh + max(region, 1)), torch.zeros(ka, dtype=torch.long)])
-    ancestry = torch.eye(depth.shape[0], dtype=torch.bool)
-    for _ in range(max(kh, kg, 1)):  # each pass adds the parent's ancestry: the deepest path needs kg passes
-        ancestry = ancestry | ancestry[parent]
-    # path_order[s, d]: the slot at depth d on the path to s (slot 0 past the path's end)
-    at_depth = ancestry[:, None, :] & (depth[None, None, :] == torch.arange(depth.shape[0])[None, :, None])
-    path_order = at_depth.int().argmax(-1)
-    return tuple(t.to(device) for t in (depth, parent, ancestry, path_order))
+    n = nodes.tokens.shape[0]
+    zero = nodes.depth.new_zeros(n, 1)
+    depth = torch.cat([zero, nodes.depth[:, :m]], dim=1)
+    parent = torch.cat([zero, nodes.parent[:, :m] + 1], dim=1)  # rank r is slot r + 1; -1 (anchor) -> 0
+    tokens = nodes.tokens[:, :m]
+    ancestry = ancestry_of(parent)
+    greedy = deepest_spelling(tokens, depth, ancestry, head_chain)
+    attach = torch.zeros_like(greedy)
+    if kg:
+        attach = deepest_spelling(tokens, depth, ancestry, ngram_tokens)
+        start = depth.gather(1, attach[:, None])  # [N, 1] the n-gram tokens already in the tree
+        steps = torch.arange(kg, device=depth.device)
+        index = (start + steps).clamp(max=ngram_tokens.shape[1] - 1)
+        tokens = torch.cat([tokens, ngram_tokens.gather(1, index)], dim=1)
+        depth = torch.cat([depth, start + 1 + steps], dim=1)
+        chain_parent = torch.cat([attach[:, None], (m + 1 + steps[:-1]).expand(n, kg - 1)], dim=1)
+        parent = torch.cat([parent, chain_parent], dim=1)
+        ancestry = ancestry_of(parent)
+    return DraftTree(tokens, depth, parent, ancestry, m, kg, attach, greedy)
 
 
 def tree_attention_mask(valid: torch.Tensor, tree: DraftTree, implementation: str, dtype: torch.dtype) -> torch.Tensor:
@@ -137,7 +190,7 @@ def tree_attention_mask(valid: torch.Tensor, tree: DraftTree, implementation: st
     n, total = valid.shape
     width = tree.width
     mask = valid[:, None, None, :].expand(n, 1, width, total).clone()
-    mask[..., total - width:] = tree.ancestry
+    mask[:, 0, :, total - width:] = tree.ancestry
     if implementation == "eager":
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
     return mask
@@ -147,44 +200,54 @@ def tree_attention_mask(valid: torch.Tensor, tree: DraftTree, implementation: st
 class TreeAcceptance:
     """accepted: [N] drafts accepted on the best path; tokens: [N, W] the target's tokens along it (the
     first ``accepted`` are the drafts, then the bonus); order: [N, W] slots of that path by depth (what
-    to move to the front); head_accepted, ngram_accepted: [N] each chain's own accepted run, and
-    alternative_accepted: [N, ka] bool (for the policy's calibration); winner: [N] the branch the path
-    ends in (0 the head's chain or the anchor, 1 the n-gram's, 2 a runner-up)."""
+    to move to the front); node_accepted: [N, m] whether each head node's path was accepted;
+    greedy_verified / greedy_accepted, ngram_verified / ngram_accepted: [N] how far the head's own chain
+    and the n-gram's were verified and accepted (for the policy's calibration); winner: [N] the branch
+    the path ends in (0 the head's nodes or the anchor, 1 the n-gram chain)."""
 
     accepted: torch.Tensor
     tokens: torch.Tensor
     order: torch.Tensor
-    head_accepted: torch.Tensor
+    node_accepted: torch.Tensor
+    greedy_verified: torch.Tensor
+    greedy_accepted: torch.Tensor
+    ngram_verified: torch.Tensor
     ngram_accepted: torch.Tensor
-    alternative_accepted: torch.Tensor
     winner: torch.Tensor
 
 
 def accept_tree(tree: DraftTree, logits: torch.Tensor) -> TreeAcceptance:
     """Greedy acceptance over the tree: logits [N, W, V] of the verify forward."""
     argmax = logits.argmax(-1)  # [N, W]
-    n = argmax.shape[0]
-    match = torch.cat([argmax.new_ones(n, 1, dtype=torch.bool), tree.tokens == argmax[:, tree.parent[1:]]], dim=1)
-    ok = ~(tree.ancestry[None] & ~match[:, None, :]).any(-1)  # [N, W]: the whole path to the slot matches
-    best = (ok * tree.depth[None]).argmax(-1)  # the deepest accepted slot; ties go to lower slots (the head)
-    accepted = tree.depth[best]
-    order = tree.path_order[best]
-    kh, shared, ngram_end = tree.head_length, tree.shared, tree.head_length + 1 + tree.ngram_slots
+    n, width = argmax.shape
+    rows = torch.arange(n, device=argmax.device)
+    match = torch.cat([argmax.new_ones(n, 1, dtype=torch.bool), tree.tokens == argmax.gather(1, tree.parent[:, 1:])],
+                      dim=1)
+    ok = ~(tree.ancestry & ~match[:, None, :]).any(-1)  # [N, W]: the whole path to the slot matches
+    reached = ok * tree.depth
+    best = reached.argmax(-1)  # the deepest accepted slot; ties go to lower slots (the likelier head nodes)
+    on_path = tree.ancestry[rows, best]
+    by_depth = torch.arange(width, device=argmax.device)
+    order = (on_path[:, None, :] & (tree.depth[:, None, :] == by_depth[None, :, None])).int().argmax(-1)
+    last = tree.width - 1 if tree.ngram_slots else tree.ngram_attach
+    last = torch.as_tensor(last, device=argmax.device).expand(n)
     return TreeAcceptance(
-        accepted=accepted,
+        accepted=tree.depth.gather(1, best[:, None]).squeeze(1),
         tokens=argmax.gather(1, order),
         order=order,
-        head_accepted=ok[:, 1 : kh + 1].sum(-1),
-        ngram_accepted=ok[:, 1 : shared + 1].sum(-1) + ok[:, kh + 1 : ngram_end].sum(-1),
-        alternative_accepted=ok[:, ngram_end:],
-        winner=(best > kh).long() + (best >= ngram_end).long(),
+        node_accepted=ok[:, 1 : tree.head_nodes + 1],
+        greedy_verified=tree.depth.gather(1, tree.greedy_slot[:, None]).squeeze(1),
+        greedy_accepted=(reached * tree.ancestry[rows, tree.greedy_slot]).amax(-1),
+        ngram_verified=tree.depth.gather(1, last[:, None]).squeeze(1),
+        ngram_accepted=(reached * tree.ancestry[rows, last]).amax(-1),
+        winner=(best > tree.head_nodes).long(),
     )
 
 
 def path_out_of_place(order: torch.Tensor, accepted: torch.Tensor) -> torch.Tensor:
     """order: [N, W], accepted: [N] -> scalar bool: some row's path (its first ``accepted + 1`` slots) is
-    not already at the front, so the cache must be reordered. It is in place whenever the head's chain
-    won; the slots past a row's path are cropped or left as masked holes and may stay as they are."""
+    not already at the front, so the cache must be reordered. The slots past a row's path are cropped or
+    left as masked holes and may stay as they are."""
     by_depth = torch.arange(order.shape[1], device=order.device)
     return ((order != by_depth) & (by_depth <= accepted[:, None])).any()
 

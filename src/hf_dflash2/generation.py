@@ -28,14 +28,15 @@ from transformers import DynamicCache
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
-    RUNNER_UPS,
     DraftTree,
+    HeadNodes,
     accept_tree,
     build_tree,
     common_prefix,
     gather_path,
     move_path_to_front,
     path_out_of_place,
+    rank_continuations,
     supports_trees,
     tree_attention_mask,
 )
@@ -209,6 +210,19 @@ def verify(target, layer_ids, cache, context: DraftContext, ids: torch.Tensor, p
     return out.logits.float(), tapped_features(out.hidden_states, layer_ids)
 
 
+def observe_tree_round(policy: VerifyPolicy, draft: Proposal, tree: DraftTree, result) -> None:
+    """A tree round calibrates the tree's head nodes by depth, and the head's chain and the n-gram's as
+    far as each was in the tree."""
+    m = tree.head_nodes
+    policy.observe_tree(draft.node_logp[:, :m], draft.node_depth[:, :m], result.node_accepted)
+    policy.observe(draft.head_confidence, result.greedy_verified, result.greedy_accepted,
+                   torch.zeros_like(result.accepted))
+    if tree.ngram_slots:
+        ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)
+        policy.observe(torch.ones_like(draft.head_confidence), result.ngram_verified, result.ngram_accepted,
+                       ngram_source)
+
+
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
                        streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
@@ -223,23 +237,23 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         history = length = None
         if ngram_size:
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
+        rank_nodes = (lambda out: rank_continuations(drafter, out, block_size - 1)) if trees else None
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       sampler.draft_temperature, sampler.generator, ngram_size, history, length,
-                                      RUNNER_UPS if trees else 0)
+                                      rank_nodes)
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
-            if tree_round:  # (kh, kg, ka, the batch's shared prefix): how far to verify each branch
+            if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
                 if draft.ngram_tokens is None:
                     draft.ngram_size = shared = torch.zeros_like(rows.anchor)
                 else:
                     shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
-                plan = [*policy.choose_tree(draft.head_confidence, draft.ngram_size, shared, draft.alternative_probs),
-                        shared.min()]
-            else:  # (k, -, -, -)
-                plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0, 0, 0]
+                plan = [*policy.choose_tree(draft.node_logp, draft.node_depth, draft.ngram_size, shared)]
+            else:  # (k, -)
+                plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
         # plan, whether any row took the head's draft, and whether last round's tree path must move.
-        any_running, all_running, crop, k, k_ngram, k_runner_ups, shared, head_used, move = torch.stack([
+        any_running, all_running, crop, k, k_ngram, head_used, move = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
             *(torch.as_tensor(x, device=no.device).long() for x in plan),
             (no if draft is None else draft.uses_head).long(), path_moves.long()]).tolist()
@@ -262,18 +276,16 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         tree = None
         if tree_round:
             k_ngram = k_ngram if draft.ngram_tokens is not None else 0
-            shared = min(shared, k, k_ngram)
-            head_used = k > 0 or k_runner_ups > 0
-            if k == 0 and k_runner_ups == 0 and k_ngram > 0:  # the n-gram branch alone, as a linear round
+            head_used = k > 0
+            if k == 0:  # the n-gram's chain alone (a linear round), or a plain step
                 matched = draft.ngram_size > 0
-                draft = Proposal(draft.ngram_tokens, matched[:, None].float().expand_as(draft.ngram_tokens),
-                                 torch.where(matched, draft.ngram_size, -1))
+                if k_ngram:
+                    draft = Proposal(draft.ngram_tokens, matched[:, None].float().expand_as(draft.ngram_tokens),
+                                     torch.where(matched, draft.ngram_size, -1))
                 k = k_ngram
-            elif k_ngram <= shared and k_runner_ups == 0:  # the head's chain alone (k = 0: a plain step)
-                draft = Proposal(draft.head_tokens, draft.head_confidence, torch.zeros_like(draft.ngram_size))
             else:
-                tree = build_tree(draft.head_tokens, k, draft.ngram_tokens, k_ngram, shared,
-                                  draft.alternative_tokens, k_runner_ups, block_size)
+                nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
+                tree = build_tree(nodes, k, draft.head_tokens, draft.ngram_tokens, k_ngram, block_size)
         if draft is not None:
             policy.chosen(k if tree is None else tree.width - 1, bool(head_used))
 
@@ -292,7 +304,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             ids = torch.cat([rows.anchor[:, None], tree.tokens], dim=1)
             with record_function("dflash2::verify"):
                 logits, features = verify(target, layer_ids, cache, context, ids,
-                                          rows.anchor_pos[:, None] + tree.depth[None], tree)
+                                          rows.anchor_pos[:, None] + tree.depth, tree)
             with record_function("dflash2::accept"):
                 result = accept_tree(tree, logits)
                 # as if the path was verified alone: the features now, the cache after the next host read
@@ -300,11 +312,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 path_order, path_moves = result.order, path_out_of_place(result.order, result.accepted)
                 positions = rows.anchor_pos[:, None] + offsets[: k + 1]
                 accepted, tokens = result.accepted, result.tokens
-                ngram_source = torch.where(draft.ngram_size > 0, draft.ngram_size, -1)
-                policy.observe(draft.head_confidence, tree.head_length, result.head_accepted,
-                               torch.zeros_like(accepted))
-                policy.observe(torch.ones_like(draft.head_confidence), k_ngram, result.ngram_accepted, ngram_source)
-                policy.observe_runner_ups(draft.alternative_probs[:, : tree.alternatives], result.alternative_accepted)
+                observe_tree_round(policy, draft, tree, result)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)

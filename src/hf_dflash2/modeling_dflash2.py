@@ -317,7 +317,9 @@ class BoundTarget:
 class DraftOutput:
     """tokens: [N, S] proposed tokens; q_ids/q_probs: [N, S, K] sparse proposal distribution (dense
     DFlash-1 sampling uses K = V); logits: [N, S, V] unary logits; hidden: [N, S, H]; confidence: [N, S]
-    the drafter's own estimate that each draft is accepted given the earlier ones (see ``propose``)."""
+    the drafter's own estimate that each draft is accepted given the earlier ones (see ``propose``);
+    pair_scores: [N, S, K, K] the selector's scores of each candidate given the previous position's
+    (dFlash 2; ranks the continuations a draft tree verifies)."""
 
     tokens: torch.Tensor
     q_ids: torch.Tensor | None
@@ -325,6 +327,7 @@ class DraftOutput:
     logits: torch.Tensor
     hidden: torch.Tensor
     confidence: torch.Tensor | None = None
+    pair_scores: torch.Tensor | None = None
 
 
 class DFlash2PreTrainedModel(PreTrainedModel):
@@ -617,7 +620,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 previous = torch.cat([torch.zeros_like(sel.choice[:, :1]), sel.choice[:, :-1]], dim=1)
                 rows = sel.tables.gather(2, previous[..., None, None].expand(-1, -1, 1, sel.tables.shape[-1]))
                 confidence = rows.squeeze(2).softmax(-1).gather(-1, sel.choice[..., None]).squeeze(-1)
-            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden, confidence)
+            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden, confidence, sel.tables)
         ids = torch.arange(logits.shape[-1], device=logits.device) if vocab is None else vocab
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)

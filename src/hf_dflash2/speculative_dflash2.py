@@ -171,8 +171,9 @@ class Proposal:
     [N, S, K] the proposal distribution as ``DraftOutput`` (one-hot on n-gram rows), None when greedy
     without a head draft. When the head drafted, its draft also comes as it was before the per-row choice
     (head_tokens / head_confidence [N, S]), with the n-gram lookup (ngram_tokens [N, S], ngram_size [N])
-    when there was one and the head's runner-up first tokens (alternative_tokens / alternative_probs
-    [N, A]) when asked for, so that a greedy round may verify them as a tree (``draft_tree``).
+    when there was one and the head's continuations ranked by path probability (node_tokens / node_depth /
+    node_logp / node_parent [N, M], ``draft_tree.HeadNodes``) when asked for, so that a greedy round may
+    verify them as a tree (``draft_tree``).
     """
 
     tokens: torch.Tensor
@@ -184,8 +185,10 @@ class Proposal:
     head_confidence: torch.Tensor | None = None
     ngram_tokens: torch.Tensor | None = None
     ngram_size: torch.Tensor | None = None
-    alternative_tokens: torch.Tensor | None = None
-    alternative_probs: torch.Tensor | None = None
+    node_tokens: torch.Tensor | None = None
+    node_depth: torch.Tensor | None = None
+    node_logp: torch.Tensor | None = None
+    node_parent: torch.Tensor | None = None
 
     def select(self, rows: torch.Tensor) -> "Proposal":
         return Proposal(*(None if t is None else t[rows] for t in vars(self).values()))
@@ -246,47 +249,33 @@ def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
     return Proposal(torch.cat([draft.tokens, filler], dim=1), confidence, torch.zeros_like(anchor), q_ids, q_probs)
 
 
-def runner_up_tokens(drafter, draft, count: int, exclude: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The head's ``count`` likeliest first tokens by its unary distribution, leaving out ``exclude``
-    [N, m] (its own draft's and the n-gram's first tokens) -> (tokens [N, count], probabilities [N, count])."""
-    probs = draft.logits[:, 0].float().softmax(-1)  # [N, V'] over the draft vocabulary
-    top_probs, top = probs.topk(min(count + exclude.shape[1], probs.shape[-1]), dim=-1)
-    count = min(count, top.shape[1] - exclude.shape[1])  # a draft vocabulary smaller than count + exclude
-    ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
-    excluded = (ids[..., None] == exclude[:, None, :]).any(-1)
-    rank = torch.arange(ids.shape[1], device=ids.device)
-    order = (excluded.long() * ids.shape[1] + rank).argsort(-1)[:, :count]  # the kept ones, in order
-    return ids.gather(1, order), top_probs.gather(1, order)
-
-
 def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
             temperature: float = 0.0, generator: torch.Generator | None = None, ngram_size: int = 0,
             history: torch.Tensor | None = None, length: torch.Tensor | None = None,
-            alternatives: int = 0) -> tuple[Proposal | None, bool]:
+            rank_nodes=None) -> tuple[Proposal | None, bool]:
     """One round's drafts after ``anchor`` / ``anchor_pos`` [N]: the head's draft pass if the policy wants
     it, n-gram matches against ``history`` [N, T] / ``length`` [N] if ``ngram_size``, each row from the
-    source the policy prefers, and the head's ``alternatives`` runner-up first tokens (for draft trees)
-    -> (proposal, or None for a plain step; whether the head drafted). With ``alternatives`` (a tree
-    round) and a head draft, no per-row choice is made: the tree's plan weighs the sources as they are."""
+    source the policy prefers, and, for draft trees, the head's continuations ranked by ``rank_nodes``
+    (``DraftOutput`` -> ``HeadNodes``) -> (proposal, or None for a plain step; whether the head drafted).
+    With ``rank_nodes`` (a tree round) and a head draft, no per-row choice is made: the tree's plan
+    weighs the sources as they are."""
     vocab = drafter.bound_target.lm_head_weight.shape[0]
     ngram_tokens = ngram_sizes = None
     if ngram_size:
         with record_function("dflash2::ngram"):
             ngram_tokens, ngram_sizes = ngram_draft(history, length, block_size - 1, ngram_size)
-    draft = runner_ups = None
+    draft = nodes = None
     if policy.wants_draft():
         with record_function("dflash2::draft"):
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
                                         temperature, generator, min(block_size, drafter.config.block_size))
-            if alternatives:
-                exclude = draft.tokens[:, :1] if ngram_tokens is None else torch.cat(
-                    [draft.tokens[:, :1], ngram_tokens[:, :1]], dim=1)
-                runner_ups = runner_up_tokens(drafter, draft, alternatives, exclude)
+            if rank_nodes is not None:
+                nodes = rank_nodes(draft)
         if draft.tokens.shape[1] < block_size - 1:  # the round is wider than the head's own block
             draft = _padded(draft, block_size - 1, anchor, vocab)
     elif ngram_tokens is None or not policy.wants_ngram():
         return None, False
-    if draft is not None and alternatives:
+    if draft is not None and rank_nodes is not None:
         proposal = make_proposal(draft, None, None, None, anchor, vocab)  # the head's draft as it is
     else:
         use_ngram = None
@@ -296,8 +285,9 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     if draft is not None:
         proposal.head_tokens, proposal.head_confidence = draft.tokens, draft.confidence.float()
         proposal.ngram_tokens, proposal.ngram_size = ngram_tokens, ngram_sizes
-        if runner_ups is not None:
-            proposal.alternative_tokens, proposal.alternative_probs = runner_ups
+        if nodes is not None:
+            proposal.node_tokens, proposal.node_depth = nodes.tokens, nodes.depth
+            proposal.node_logp, proposal.node_parent = nodes.logp, nodes.parent
     return proposal, draft is not None
 
 
