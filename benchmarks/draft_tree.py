@@ -1,4 +1,4 @@
-"""Draft trees on the wall clock: the fast loop with and without two-branch rounds, side by side.
+"""Draft trees on the wall clock: the fast loop with and without draft trees, side by side.
 
     python benchmarks/draft_tree.py [--prompts 6] [--new-tokens 192] [--repeats 3] [--dtype auto]
 

@@ -87,7 +87,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         f"\n                    drafts verified per round (k = 0: a plain step): {lengths}"
         f"\n                    rounds whose drafts came from an n-gram match (prompt lookup): "
         f"{summary['ngram_rounds']} of {summary['rounds']}"
-        f"\n                    rounds that verified a draft tree (head, n-gram and runner-up branches): "
+        f"\n                    rounds that verified a draft tree (head's likeliest tokens, n-gram chain): "
         f"{summary['tree_rounds']} of {summary['rounds']}"
         f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s = {summary['ar_tokens_per_s']:.1f} tok/s"
         f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, "

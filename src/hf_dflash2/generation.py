@@ -6,7 +6,7 @@ output). Per round: the drafter proposes a block of tokens per row in one pass (
 verify policy turns into plain AR steps), and rows whose text repeats may take an n-gram draft instead
 (``speculative_dflash2.propose``); the policy picks how many of them to verify
 (``cost_model_dflash2``); the target verifies ``[anchor, drafts[:k]]`` (on greedy rounds where the head
-drafted: possibly a tree of its chain, the n-gram's and its runner-up first tokens, ``draft_tree``);
+drafted: possibly a tree of its likeliest continuations and the n-gram's chain, ``draft_tree``);
 acceptance (greedy match or
 lossless rejection sampling), EOS and budget handling, output writes and the drafter's context
 (``DraftContext``, shared with the Transformers path) all stay on the device. The host reads one small
@@ -227,8 +227,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
                        streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
     """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``
-    (greedy only), a round where the head drafted may verify a tree: its chain, the n-gram's and its
-    runner-up first tokens (``draft_tree``), as the policy plans."""
+    (greedy only), a round where the head drafted may verify a tree: its likeliest continuations and
+    the n-gram's chain (``draft_tree``), as the policy plans."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
@@ -366,7 +366,7 @@ def speculative_generate(
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
     16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
     ``draft_tree`` (greedy with the adaptive policy; not on sliding-window targets): a round may verify the
-    head's draft, the n-gram's and the head's runner-up first tokens as branches of one forward and keep
+    head's likeliest continuations and the n-gram's chain as branches of one forward and keep
     the path accepted furthest (``stats.tree_rounds``; ``draft_tree=False``: one chain per row).
     """
     check_ngram_size(ngram_size)

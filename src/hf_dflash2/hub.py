@@ -174,7 +174,7 @@ def _results_section(results: dict | None) -> str:
         parts = [f"{name} τ {_fmt_number(e.get('tau'))}, {_fmt_number(e.get('speedup'))}×"
                  for name, e in results["with_ngram_drafts"].items()]
         lines.append("With `hf_dflash2`'s fast loop as it runs by default (n-gram (prompt lookup) drafts next to "
-                     "the head's, verified with the head's runner-up tokens as one draft tree), same run: "
+                     "the head's, verified with the head's likeliest continuations as one draft tree), same run: "
                      + "; ".join(parts) + ".")
     details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
     if details:
