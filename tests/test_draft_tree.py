@@ -20,6 +20,7 @@ from hf_dflash2.draft_tree import (
     gather_path,
     move_path_to_front,
     path_out_of_place,
+    spelling,
     supports_trees,
     tree_attention_mask,
 )
@@ -81,7 +82,11 @@ def random_tree(generator, n, vocab, m, kg, s=4, k=3):
     # some rows' n-gram and chain start like a ranked node, so they hang deeper
     first = nodes.tokens[:, 0]
     ngram[::2, 0], chain[1::2, 0] = first[::2], first[1::2]
+    nodes_of[0] = nodes
     return build_tree(nodes, m, chain, ngram if kg else None, kg), chain, ngram
+
+
+nodes_of = [None]  # the last random_tree's ranked nodes
 
 
 def test_accept_tree_equals_walking_each_path():
@@ -116,7 +121,11 @@ def test_accept_tree_equals_walking_each_path():
                 assert [tokens[t] for t in last[1:]] == ngram[r, : len(last) - 1].tolist()
                 assert int(result.ngram_verified[r]) == len(last) - 1
                 assert int(result.ngram_accepted[r]) == max(depth[t] * ok[t] for t in last)
-                assert not any(p == paths[int(tree.ngram_attach[r])] and False for p in paths)
+            ngram_paths = [[tokens[t] for t in paths[t][1:]] == ngram[r, : depth[t]].tolist() for t in range(m + 1)]
+            assert spelling(nodes_of[0], ngram)[r, :m].tolist() == ngram_paths[1:]
+            if kg:  # the chain hangs from the deepest head node spelling the n-gram (the first such)
+                spelled = [t for t in range(m + 1) if ngram_paths[t]]
+                assert int(tree.ngram_attach[r]) == max(spelled, key=lambda t: (depth[t], -t))
             greedy = paths[int(tree.greedy_slot[r])]
             assert [tokens[t] for t in greedy[1:]] == chain[r, : len(greedy) - 1].tolist()
             assert not any(len(paths[t]) > len(greedy) and [tokens[u] for u in paths[t][1:]]
@@ -211,7 +220,7 @@ class ForcedTrees(VerifyPolicy):
         self.round = 0
         return super().start(block_size)
 
-    def choose_tree(self, node_logp, node_depth, ngram_size, shared):
+    def choose_tree(self, node_logp, node_depth, ngram_size, spells_ngram):
         m, kg = self.plans[self.round % len(self.plans)]
         self.round += 1
         m = min(m, self.block_size - 1, node_logp.shape[1])
@@ -282,7 +291,7 @@ def test_policy_plans_both_branches_only_when_verifying_is_cheap():
     steep = _cost([1.0 + 1.0 * k for k in range(16)])  # each verified token costs a step more
     # a confident chain of 4, then a few unlikely alternatives
     logp, depth = _nodes([0.9, 0.8, 0.7, 0.6, 0.05, 0.04, 0.03], [1, 2, 3, 4, 1, 2, 1])
-    ngram_size, shared = torch.tensor([3]), torch.tensor([0])
+    ngram_size, shared = torch.tensor([3]), torch.zeros(1, 7, dtype=torch.bool)  # no node spells the n-gram
     for cost, both in ((flat, True), (steep, False)):
         policy = AdaptiveVerifyPolicy(cost, clock=None, prior_ratio=0.9).start(16)
         m, kg = policy.choose_tree(logp, depth, ngram_size, shared).tolist()
@@ -305,3 +314,17 @@ def test_policy_plans_both_branches_only_when_verifying_is_cheap():
     for _ in range(30):
         policy.observe_tree(logp, depth, torch.ones(1, 7, dtype=torch.bool))
     assert policy.choose_tree(logp, depth, torch.tensor([0]), shared).tolist() == [7, 0]
+
+
+def test_policy_counts_a_shared_prefix_once_and_hangs_the_ngram_below_it():
+    """The n-gram draft (right for 9 tokens) spells the head's first 2 nodes and then leaves its chain:
+    the plan verifies the head's 4 likely nodes and hangs 7 n-gram drafts below depth 2 (reaching depth
+    9), rather than the n-gram alone (9 drafts from the anchor) or the shared nodes twice."""
+    flat = _cost([1.0] + [1.05 + 0.01 * k for k in range(15)])
+    logp, depth = _nodes([0.9, 0.85, 0.8, 0.75, 0.02], [1, 2, 3, 4, 1])
+    policy = AdaptiveVerifyPolicy(flat, clock=None, prior_ratio=0.9).start(16)
+    for _ in range(20):
+        policy.observe(torch.ones(1, 15), 10, torch.tensor([9]), torch.tensor([3]))
+    spells = torch.tensor([[True, True, False, False, False]])
+    m, kg = policy.choose_tree(logp, depth, torch.tensor([3]), spells).tolist()
+    assert m == 4 and 6 <= kg <= 8, (m, kg)

@@ -58,9 +58,10 @@ plans ``(m, kg)``: verify the head's ``m`` likeliest continuations (nodes ranked
 the head gives them) and ``kg`` tokens of the n-gram's chain. A node is accepted with its path
 probability times a calibration rate for its depth (row ``TREE_ROW``: accepted nodes over predicted, so
 the rate absorbs how far the head's probabilities are from the truth); nodes add up, since each is its
-own event. The n-gram chain hangs from the deepest head node that spells its first tokens, so it adds
-its reach beyond its common prefix with the head's own chain (``shared``). The cost is that of
-verifying ``m + kg`` drafts. ``(0, kg)`` is a linear n-gram round, ``(0, 0)`` a plain step. A tree
+own event. The n-gram chain hangs from the deepest of those m nodes that spells its first tokens
+(depth a), so its ``kg`` drafts add its calibrated reach at depths a+1..a+kg, and the nodes it shares
+with the head count once, with the likelier of the two estimates. The cost is that of verifying
+``m + kg`` drafts. ``(0, kg)`` is a linear n-gram round, ``(0, 0)`` a plain step. A tree
 round calibrates the tree row, and the head's chain and the n-gram's as far as each was in the tree.
 
 Lossless sampling: the law of the output is the target's for any proposal and any verify length chosen
@@ -348,11 +349,11 @@ class VerifyPolicy:
     plans_trees = False
 
     def choose_tree(self, node_logp: torch.Tensor, node_depth: torch.Tensor, ngram_size: torch.Tensor,
-                    shared: torch.Tensor) -> torch.Tensor:
-        """[2] (m, kg): verify the head's ``m`` likeliest continuations and the n-gram's first ``kg`` drafts
-        as one tree (``draft_tree``); (0, kg) is a linear n-gram round, (0, 0) a plain step. node_logp,
+                    spells_ngram: torch.Tensor) -> torch.Tensor:
+        """[2] (m, kg): verify the head's ``m`` likeliest continuations and ``kg`` more n-gram drafts as
+        one tree (``draft_tree``); (0, kg) is a linear n-gram round, (0, 0) a plain step. node_logp,
         node_depth: [N, M] the ranked nodes' path log-probabilities and depths; ngram_size: [N] (0: no
-        match); shared: [N] the n-gram's common prefix with the head's own chain."""
+        match); spells_ngram: [N, M] whether each node's path spells the n-gram draft's first tokens."""
         raise NotImplementedError
 
     def observe_tree(self, node_logp: torch.Tensor, node_depth: torch.Tensor, accepted: torch.Tensor) -> None:
@@ -535,27 +536,29 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         size = torch.arange(self.block_size, device=expected.device)
         return self._best_plan(expected, size, confidence.shape[0], drafted)
 
-    def choose_tree(self, node_logp, node_depth, ngram_size, shared):
+    def choose_tree(self, node_logp, node_depth, ngram_size, spells_ngram):
         """Expected committed tokens of each (m, kg), summed over rows: the first m nodes' calibrated
-        probabilities, plus the n-gram chain's calibrated reach beyond its prefix shared with the head's
-        chain when m > 0 (the whole reach when m = 0: a linear n-gram round)."""
+        probabilities, and the n-gram chain's calibrated reach. The chain hangs from the deepest of the
+        first m nodes that spell the n-gram's first tokens (depth a), so it reaches depth a + kg; the
+        nodes it shares with the head are one event each, counted once with the likelier estimate."""
         self._head_drafted = True
         s = self.block_size - 1
         rows, ranked = node_logp.shape[0], min(node_logp.shape[1], s)
         ones = torch.ones(rows, s, device=node_logp.device)
-        depth_index = (node_depth[:, :ranked] - 1).clamp(0, s - 1)
-        rate = self._ratio(ones)[TREE_ROW][depth_index]
-        node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0).sum(0)  # [ranked]
-        head = torch.cat([node.new_zeros(1), node.cumsum(0)])  # [m + 1]
+        depth = node_depth[:, :ranked]
+        rate = self._ratio(ones)[TREE_ROW][(depth - 1).clamp(0, s - 1)]
+        node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0)  # [N, ranked]
         ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
-        depth = torch.arange(1, s + 1, device=ones.device)
+        reach_to = torch.cat([ones.new_zeros(rows, 1), ngram_reach.cumsum(-1)], dim=1)  # [N, S + 1]
+        spells = spells_ngram[:, :ranked]
+        upgrade = spells * (ngram_reach.gather(1, (depth - 1).clamp(0, s - 1)) - node).clamp_min(0.0)
+        zero = node.new_zeros(rows, 1)
+        head = torch.cat([zero, (node + upgrade).cumsum(-1)], dim=1)  # [N, m + 1]
+        attach = torch.cat([zero.long(), (spells * depth).cummax(-1).values], dim=1)  # [N, m + 1]
         lengths = torch.arange(s + 1, device=ones.device)
-        beyond = (depth[None] > shared[:, None]).float()  # [N, S]: the depths the head's chain does not hold
-        # [kg + 1, S]: a chain of kg tokens from depth `shared` covers depths shared+1 .. shared+kg
-        covered = (depth[None, None] <= shared[None, :, None] + lengths[:, None, None]).float()
-        with_head = (ngram_reach[None] * beyond[None] * covered).sum((1, 2))  # [kg + 1]
-        alone = (ngram_reach[None] * (depth[None, None] <= lengths[:, None, None])).sum((1, 2))
-        expected = rows + head[:, None] + torch.cat([alone[None], with_head[None].expand(ranked, -1)], dim=0)
+        end = (attach[:, :, None] + lengths).clamp(max=s)  # [N, m + 1, kg + 1]
+        chain = reach_to.gather(1, end.flatten(1)).view_as(end) - reach_to.gather(1, attach)[:, :, None]
+        expected = (1.0 + head[:, :, None] + chain).sum(0)  # [m + 1, kg + 1]
         size = lengths[: ranked + 1, None] + lengths[None, :]
         plan = self._best_plan(expected.flatten(), size.flatten(), rows, True)
         return torch.stack([plan // (s + 1), plan % (s + 1)])

@@ -48,11 +48,6 @@ def supports_trees(target, cache) -> bool:
     return all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", [None]))
 
 
-def common_prefix(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[N, S] x [N, S] -> [N] length of the common prefix per row."""
-    return (a == b).int().cumprod(-1).sum(-1)
-
-
 @dataclass
 class HeadNodes:
     """The head's continuations ranked by path probability (best first), per row: tokens, depth (1 = the
@@ -109,15 +104,28 @@ def rank_continuations(drafter, draft, size: int) -> HeadNodes:
     return best_first(ids, logp[:, :, None, :].expand(-1, -1, logp.shape[-1], -1), size)
 
 
+def spelling(nodes: HeadNodes, sequence: torch.Tensor) -> torch.Tensor:
+    """[N, M] whether each ranked node's path spells ``sequence`` [N, L]'s first tokens."""
+    n = nodes.tokens.shape[0]
+    zero = nodes.depth.new_zeros(n, 1)
+    depth = torch.cat([zero, nodes.depth], dim=1)
+    ancestry = ancestry_of(torch.cat([zero, nodes.parent + 1], dim=1))
+    return _spelled(nodes.tokens, depth, ancestry, sequence)[:, 1:]
+
+
+def _spelled(tokens, depth, ancestry, sequence) -> torch.Tensor:
+    """[N, W] whether each slot's path spells ``sequence``'s first tokens (slot 0, the anchor, always)."""
+    index = (depth[:, 1:] - 1).clamp(0, sequence.shape[1] - 1)
+    match = (tokens == sequence.gather(1, index)) & (depth[:, 1:] <= sequence.shape[1])
+    match = torch.cat([match.new_ones(match.shape[0], 1), match], dim=1)
+    return ~(ancestry & ~match[:, None, :]).any(-1)
+
+
 def deepest_spelling(tokens: torch.Tensor, depth: torch.Tensor, ancestry: torch.Tensor,
                      sequence: torch.Tensor) -> torch.Tensor:
     """tokens: [N, W - 1] slots 1..; depth: [N, W]; ancestry: [N, W, W]; sequence: [N, L] -> [N] the
     deepest slot whose path from the anchor spells ``sequence``'s first tokens (0: the anchor)."""
-    index = (depth[:, 1:] - 1).clamp(0, sequence.shape[1] - 1)
-    match = (tokens == sequence.gather(1, index)) & (depth[:, 1:] <= sequence.shape[1])
-    match = torch.cat([match.new_ones(match.shape[0], 1), match], dim=1)
-    spelled = ~(ancestry & ~match[:, None, :]).any(-1)
-    return (spelled * depth).argmax(-1)
+    return (_spelled(tokens, depth, ancestry, sequence) * depth).argmax(-1)
 
 
 def ancestry_of(parent: torch.Tensor) -> torch.Tensor:

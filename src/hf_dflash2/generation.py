@@ -32,11 +32,11 @@ from .draft_tree import (
     HeadNodes,
     accept_tree,
     build_tree,
-    common_prefix,
     gather_path,
     move_path_to_front,
     path_out_of_place,
     rank_continuations,
+    spelling,
     supports_trees,
     tree_attention_mask,
 )
@@ -244,11 +244,13 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
+                nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
                 if draft.ngram_tokens is None:
-                    draft.ngram_size = shared = torch.zeros_like(rows.anchor)
+                    draft.ngram_size = torch.zeros_like(rows.anchor)
+                    spells = torch.zeros_like(draft.node_tokens, dtype=torch.bool)
                 else:
-                    shared = common_prefix(draft.head_tokens, draft.ngram_tokens)
-                plan = [*policy.choose_tree(draft.node_logp, draft.node_depth, draft.ngram_size, shared)]
+                    spells = spelling(nodes, draft.ngram_tokens)
+                plan = [*policy.choose_tree(draft.node_logp, draft.node_depth, draft.ngram_size, spells)]
             else:  # (k, -)
                 plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
