@@ -1,7 +1,8 @@
 """Held-out tau of saved heads, measured exactly as the trainer's evaluation measures a run.
 
 Same prompts (``training.commands.heldout_prompts``: HumanEval and MT-Bench alternating, never in the
-training data), greedy fast loop with a fixed block (the adaptive policy would hide a weak draft), same
+training data), greedy fast loop with a fixed block (the adaptive policy would hide a weak draft) and
+the head's drafts alone (``ngram_size=0``; n-gram drafts became the default in session 11), same
 budget. Heads are evaluated side by side in one process, so a new head is compared with the committed
 one on equal terms before it replaces it.
 
@@ -34,8 +35,8 @@ def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int)
         for prompt_id, ids in encoded:
             name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
             result = speculative_generate(
-                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False
-            )
+                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False, ngram_size=0
+            )  # the head alone: every round verifies its block, no n-gram drafts (on by default since session 11)
             for key in (name, "all"):  # fresh copies: merge() accumulates into its receiver
                 by_set[key] = copy.deepcopy(result.stats) if key not in by_set else by_set[key].merge(result.stats)
         results[head_dir] = {

@@ -572,8 +572,9 @@ class Trainer:
             for prompt_ids in self.eval_prompts[: self.config.eval_prompts]:
                 ids = torch.tensor([prompt_ids], device=self.accelerator.device)
                 result = speculative_generate(
-                    self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False
-                )  # tau of the head itself: every round verifies the block
+                    self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False,
+                    ngram_size=0,
+                )  # tau of the head itself: every round verifies the block, no n-gram drafts
                 stats = result.stats if stats is None else stats.merge(result.stats)
         if stats is None:
             return {}
