@@ -71,3 +71,28 @@ def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def fp32_committed_head():
+    """(target, tokenizer, head): SmolLM2-135M-Instruct in fp32 (every variant's greedy text is then the
+    same) with the committed dFlash 2 head, prompts in the chat template."""
+    from hf_dflash2.precision import load_target_for_decoding
+    from hf_dflash2.prompts import apply_chat_template_option, default_head, load_head
+
+    target, tokenizer = load_target_for_decoding("fp32", None, None)
+    apply_chat_template_option(tokenizer, "auto")
+    return target, tokenizer, load_head(default_head("smollm2-135m-dflash2"), target)
+
+
+def drafting_every_position(target, tokenizer, head, prompt: str, new_tokens: int) -> list[int]:
+    """Greedy decoding where every round is a plain step plus one draft of the head's (no n-gram, no
+    trees), so its draft pass runs once at every generated position -> the whole sequence's token ids."""
+    from hf_dflash2 import speculative_generate
+    from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths
+    from hf_dflash2.prompts import encode_prompt
+
+    ids = encode_prompt(tokenizer, prompt, target.device)
+    out = speculative_generate(target, head, ids, max_new_tokens=new_tokens, ngram_size=0, draft_tree=False,
+                               verify_policy=ForcedVerifyLengths([1]), block_size=8)
+    return out.sequences[0].tolist()
+

@@ -30,13 +30,9 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, save, table  # noqa: E402
+from _common import RESULTS, drafting_every_position, fp32_committed_head, save, table  # noqa: E402
 
-from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
-from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths  # noqa: E402
-from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
-from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
 
 SIZES = (4, 7, 11, 15)
 
@@ -81,9 +77,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
-    target, tokenizer = load_target_for_decoding("fp32", None, None)
-    apply_chat_template_option(tokenizer, "auto")
-    head = load_head(default_head("smollm2-135m-dflash2"), target)
+    target, tokenizer, head = fp32_committed_head()
     rounds_seen = []
     draft_block = head.draft_block
 
@@ -106,11 +100,8 @@ def main() -> None:
     for name in ("mtbench", "humaneval"):
         records = []
         for prompt in tqdm(load_prompt_set(name, args.prompts), desc=name, unit="prompt"):
-            ids = encode_prompt(tokenizer, prompt, target.device)
             rounds_seen.clear()
-            out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, ngram_size=0,
-                                       draft_tree=False, verify_policy=ForcedVerifyLengths([1]), block_size=8)
-            text = out.sequences[0].tolist()
+            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens)
             for r in rounds_seen:
                 depth_count = len(r["path"])
                 if r["anchor_pos"] + depth_count < len(text):
