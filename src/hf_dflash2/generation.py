@@ -233,11 +233,11 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
     path_order, path_moves = None, no  # last round's tree path, moved to the cache's front after the host read
+    rank_nodes = (lambda out: rank_continuations(drafter, out, block_size - 1)) if trees else None
     while True:
         history = length = None
         if ngram_size:
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
-        rank_nodes = (lambda out: rank_continuations(drafter, out, block_size - 1)) if trees else None
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       sampler.draft_temperature, sampler.generator, ngram_size, history, length,
                                       rank_nodes)
