@@ -84,15 +84,26 @@ def fp32_committed_head():
     return target, tokenizer, load_head(default_head("smollm2-135m-dflash2"), target)
 
 
-def drafting_every_position(target, tokenizer, head, prompt: str, new_tokens: int) -> list[int]:
+def drafting_every_position(target, tokenizer, head, prompt: str, new_tokens: int, on_draft) -> list[int]:
     """Greedy decoding where every round is a plain step plus one draft of the head's (no n-gram, no
-    trees), so its draft pass runs once at every generated position -> the whole sequence's token ids."""
+    trees), so its draft pass runs once at every generated position; ``on_draft(anchor_pos, draft)``
+    sees each pass's ``DraftOutput`` -> the whole sequence's token ids."""
     from hf_dflash2 import speculative_generate
     from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths
     from hf_dflash2.prompts import encode_prompt
 
-    ids = encode_prompt(tokenizer, prompt, target.device)
-    out = speculative_generate(target, head, ids, max_new_tokens=new_tokens, ngram_size=0, draft_tree=False,
-                               verify_policy=ForcedVerifyLengths([1]), block_size=8)
-    return out.sequences[0].tolist()
+    draft_block = head.draft_block
 
+    def recorded(anchor, anchor_pos, *rest, **kwargs):
+        out = draft_block(anchor, anchor_pos, *rest, **kwargs)
+        on_draft(int(anchor_pos[0]), out)
+        return out
+
+    head.draft_block = recorded
+    try:
+        ids = encode_prompt(tokenizer, prompt, target.device)
+        out = speculative_generate(target, head, ids, max_new_tokens=new_tokens, ngram_size=0, draft_tree=False,
+                                   verify_policy=ForcedVerifyLengths([1]), block_size=8)
+    finally:
+        head.draft_block = draft_block
+    return out.sequences[0].tolist()

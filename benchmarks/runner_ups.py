@@ -32,23 +32,19 @@ def main() -> None:
     args = parser.parse_args()
     target, tokenizer, head = fp32_committed_head()
     drafts = []
-    draft_block = head.draft_block
 
-    def recorded(anchor, anchor_pos, *rest, **kwargs):
-        out = draft_block(anchor, anchor_pos, *rest, **kwargs)
+    def record(anchor_pos, out):
         top = out.logits[0].float().topk(8, dim=-1).indices  # [S, 8] by unary probability
         ids = top if head.draft_vocab is None else head.draft_vocab.to(top.device)[top]
-        drafts.append((int(anchor_pos[0]), out.tokens[0].tolist(), ids.tolist()))
-        return out
+        drafts.append((anchor_pos, out.tokens[0].tolist(), ids.tolist()))
 
-    head.draft_block = recorded
     rows = []
     for name in ("mtbench", "humaneval"):
         counts = {d: {"reached": 0, "right": 0, "runner_up_3": 0, "runner_up_6": 0} for d in (1, 2, 3)}
         rounds = 0
         for prompt in tqdm(load_prompt_set(name, args.prompts), desc=name, unit="prompt"):
             drafts.clear()
-            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens)
+            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens, record)
             for anchor_pos, tokens, candidates in drafts:
                 if anchor_pos + 4 >= len(text):
                     continue

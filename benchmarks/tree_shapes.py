@@ -79,29 +79,25 @@ def main() -> None:
     args = parser.parse_args()
     target, tokenizer, head = fp32_committed_head()
     rounds_seen = []
-    draft_block = head.draft_block
 
-    def recorded(anchor, anchor_pos, *rest, **kwargs):
-        out = draft_block(anchor, anchor_pos, *rest, **kwargs)
-        selector = head.candidate_selector(out.hidden, out.logits, anchor, 0.0, None, head.draft_vocab)
+    def record(anchor_pos, out):
+        # the draft's own candidates and pair scores (``DraftOutput.pair_scores``), as the loop's trees use them
         unary = out.logits[0].float().softmax(-1)  # [S, V'] over the draft vocabulary
-        top = unary.topk(selector.candidate_ids.shape[-1], dim=-1)
+        top = unary.topk(out.q_ids.shape[-1], dim=-1)
         rounds_seen.append({
-            "anchor_pos": int(anchor_pos[0]),
-            "path": selector.choice[0].tolist(),
-            "candidates": selector.candidate_ids[0].tolist(),  # [S, K] by unary score, as the selector ranks
+            "anchor_pos": anchor_pos,
+            "path": (out.q_ids[0] == out.tokens[0][:, None]).int().argmax(-1).tolist(),  # the chosen candidates
+            "candidates": out.q_ids[0].tolist(),  # [S, K] by unary score, as the selector ranks
             "unary": top.values.tolist(),  # [S, K] the same candidates' unary probabilities
-            "transitions": selector.tables[0].float().softmax(-1).tolist(),  # [S, K, K]
+            "transitions": out.pair_scores[0].float().softmax(-1).tolist(),  # [S, K, K]
         })
-        return out
 
-    head.draft_block = recorded
     rows = []
     for name in ("mtbench", "humaneval"):
         records = []
         for prompt in tqdm(load_prompt_set(name, args.prompts), desc=name, unit="prompt"):
             rounds_seen.clear()
-            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens)
+            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens, record)
             for r in rounds_seen:
                 depth_count = len(r["path"])
                 if r["anchor_pos"] + depth_count < len(text):
