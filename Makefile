@@ -177,6 +177,18 @@ ablation-smollm2: setup
 	$(PY) benchmarks/heldout_tau.py runs/ablation6000/dflash2/export runs/ablation6000/dflash1/export --prompts 16 \
 		--tokens 64 --output benchmarks/results/ablation_round7.json
 
+# Session 14: the same pair on the 1.70M-token store (store_s10), 2,400 steps each; then held-out tau of both
+# (linear rounds) and tree_shapes for both (dFlash 2 ranks trees by its selector, DFlash-1 by unary scores).
+ABLATION14_ARGS = $(subst --eval-every 1500,--eval-every 100000,$(subst data/store_regen6000,data/store_s10,$(subst --steps 1500,--steps 2400,$(ABLATION_ARGS))))
+ablation-smollm2-s14: setup
+	$(VENV)/bin/hf-dflash2 train $(ABLATION14_ARGS) --output runs/ablation_s14/dflash2 & \
+	$(VENV)/bin/hf-dflash2 train $(ABLATION14_ARGS) --dflash1 --output runs/ablation_s14/dflash1; wait
+	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation_s14/$$arm runs/ablation_s14/$$arm/export; done
+	$(PY) benchmarks/heldout_tau.py runs/ablation_s14/dflash2/export runs/ablation_s14/dflash1/export --prompts 16 \
+		--tokens 64 --output benchmarks/results/ablation_round14.json
+	$(PY) benchmarks/tree_shapes.py --heads runs/ablation_s14/dflash2/export,runs/ablation_s14/dflash1/export \
+		--output benchmarks/results/ablation_trees_round14
+
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
 	$(VENV)/bin/hf-dflash2 regenerate --output data/smollm2_sharegpt.jsonl --limit 3000

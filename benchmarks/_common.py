@@ -51,7 +51,7 @@ def table(rows: list[dict], columns: list[str]) -> str:
         cells = []
         for c in columns:
             v = row.get(c, "")
-            cells.append(f"{v:.3f}" if isinstance(v, float) else str(v))
+            cells.append(f"{v:.3f}" if isinstance(v, float) else "" if v is None else str(v))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

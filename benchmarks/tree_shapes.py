@@ -1,8 +1,9 @@
 """Which tree of the head's candidates should a round verify? Acceptance of tree shapes at equal size.
 
-    python benchmarks/tree_shapes.py [--prompts 6] [--new-tokens 128]
+    python benchmarks/tree_shapes.py [--prompts 6] [--new-tokens 128] [--heads DIR,DIR] [--output NAME]
 
-fp32 greedy decoding of MT-Bench and HumanEval prompts with the committed head, every round a plain
+fp32 greedy decoding of MT-Bench and HumanEval prompts with each head (default: the committed head), every
+round a plain
 step plus one draft, so every generated position is drafted once; the greedy text says which tokens a
 round's tree would have had accepted. For trees of M drafted nodes (M = 4, 7, 11, 15) built from the
 head's top-16 candidates per position, the mean tokens a round commits (1 + the deepest accepted node):
@@ -15,6 +16,10 @@ head's top-16 candidates per position, the mean tokens a round commits (1 + the 
   taken as independent (the unary softmax; what a DFlash-1 head can rank);
 - ``selector best-first``: the same with the selector's K x K scores as a Markov chain over the
   candidates (``P(b | a) = softmax(S_t(a, .))``): dFlash 2's pairwise scores rank deeper branches.
+
+A DFlash-1 head has no selector: its chain is each position's argmax, its candidates the unary top 16,
+and its selector column is empty. Given a dFlash 2 head and a DFlash-1 head trained at equal budget, the
+two best-first columns are the ablation in trees (``make ablation-smollm2-s14``).
 
 No time is measured. Writes benchmarks/results/tree_shapes.{json,md}.
 """
@@ -76,28 +81,53 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--heads", default=None, help="comma-separated head directories (default: the committed head)")
+    parser.add_argument("--output", default="tree_shapes", help="results name under benchmarks/results/")
     args = parser.parse_args()
-    target, tokenizer, head = fp32_committed_head()
+    from hf_dflash2.prompts import load_head
+
+    target, tokenizer, committed_head = fp32_committed_head()
+    heads = {"committed": committed_head} if args.heads is None else {
+        path: load_head(path, target) for path in args.heads.split(",")}
+    rows = []
+    for head_name, head in heads.items():
+        rows += shapes_of(head_name, head, target, tokenizer, args.prompts, args.new_tokens)
+    columns = list(rows[0])
+    print(table(rows, columns))
+    command = "python benchmarks/tree_shapes.py " + " ".join(sys.argv[1:])
+    save(args.output, {"command": command, "rows": rows})
+    note = ("Mean tokens a round commits (1 + deepest accepted node) for trees of the head's candidates, "
+            "fp32 greedy; no n-gram branch.")
+    (RESULTS / f"{args.output}.md").write_text(note + "\n\n" + table(rows, columns) + f"\n\nCommand: `{command}`\n")
+
+
+def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens: int) -> list[dict]:
+    """One row per (prompt set, tree size) for one head."""
+    top_k = 16
     rounds_seen = []
 
     def record(anchor_pos, out):
         # the draft's own candidates and pair scores (``DraftOutput.pair_scores``), as the loop's trees use them
         unary = out.logits[0].float().softmax(-1)  # [S, V'] over the draft vocabulary
-        top = unary.topk(out.q_ids.shape[-1], dim=-1)
-        rounds_seen.append({
-            "anchor_pos": anchor_pos,
-            "path": (out.q_ids[0] == out.tokens[0][:, None]).int().argmax(-1).tolist(),  # the chosen candidates
-            "candidates": out.q_ids[0].tolist(),  # [S, K] by unary score, as the selector ranks
-            "unary": top.values.tolist(),  # [S, K] the same candidates' unary probabilities
-            "transitions": out.pair_scores[0].float().softmax(-1).tolist(),  # [S, K, K]
-        })
+        if out.pair_scores is not None:
+            top = unary.topk(out.q_ids.shape[-1], dim=-1)
+            candidates = out.q_ids[0]  # [S, K] by unary score, as the selector ranks
+            path = (out.q_ids[0] == out.tokens[0][:, None]).int().argmax(-1).tolist()  # the chosen candidates
+            transitions = out.pair_scores[0].float().softmax(-1).tolist()  # [S, K, K]
+        else:  # DFlash-1: the argmax chain, the unary top-k as candidates
+            top = unary.topk(top_k, dim=-1)
+            candidates = top.indices if head.draft_vocab is None else head.draft_vocab[top.indices]
+            path = [0] * unary.shape[0]
+            transitions = None
+        rounds_seen.append({"anchor_pos": anchor_pos, "path": path, "candidates": candidates.tolist(),
+                            "unary": top.values.tolist(), "transitions": transitions})
 
     rows = []
     for name in ("mtbench", "humaneval"):
         records = []
-        for prompt in tqdm(load_prompt_set(name, args.prompts), desc=name, unit="prompt"):
+        for prompt in tqdm(load_prompt_set(name, prompts), desc=f"{head_name} {name}", unit="prompt"):
             rounds_seen.clear()
-            text = drafting_every_position(target, tokenizer, head, prompt, args.new_tokens, record)
+            text = drafting_every_position(target, tokenizer, head, prompt, new_tokens, record)
             for r in rounds_seen:
                 depth_count = len(r["path"])
                 if r["anchor_pos"] + depth_count < len(text):
@@ -116,23 +146,20 @@ def main() -> None:
                 unary = best_first(size, depth_count, lambda d, _parent, u=r["unary"]: u[d])
                 scores["unary best-first"].append(committed(unary, cands, truth))
                 trans = r["transitions"]
-                markov = best_first(size, depth_count, lambda d, parent, t=trans: t[d][0 if parent is None else parent])
-                scores["selector best-first"].append(committed(markov, cands, truth))
+                if trans is not None:
+                    markov = best_first(size, depth_count,
+                                        lambda d, parent, t=trans: t[d][0 if parent is None else parent])
+                    scores["selector best-first"].append(committed(markov, cands, truth))
             best_kh = max(splits, key=lambda kh: sum(splits[kh]))
-            row = {"set": name, "tree_size": size, "rounds": len(records)}
+            row = {"head": head_name, "set": name, "tree_size": size, "rounds": len(records)}
             row["chain"] = round(sum(scores["chain"]) / len(records), 3)
             row["chain + runner-ups (best split)"] = round(sum(splits[best_kh]) / len(records), 3)
             row["best kh"] = best_kh
             row["unary best-first"] = round(sum(scores["unary best-first"]) / len(records), 3)
-            row["selector best-first"] = round(sum(scores["selector best-first"]) / len(records), 3)
+            selector = scores["selector best-first"]
+            row["selector best-first"] = round(sum(selector) / len(records), 3) if selector else None
             rows.append(row)
-    columns = list(rows[0])
-    print(table(rows, columns))
-    command = "python benchmarks/tree_shapes.py " + " ".join(sys.argv[1:])
-    save("tree_shapes", {"command": command, "rows": rows})
-    note = ("Mean tokens a round commits (1 + deepest accepted node) for trees of the head's candidates, "
-            "fp32 greedy, committed head; no n-gram branch.")
-    (RESULTS / "tree_shapes.md").write_text(note + "\n\n" + table(rows, columns) + f"\n\nCommand: `{command}`\n")
+    return rows
 
 
 if __name__ == "__main__":
