@@ -164,6 +164,24 @@ finetune-smollm2-s13: setup
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s13/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round13.json
 
+# Session 14: second turns of the ShareGPT conversations whose first turns the target answered (sessions 10 and
+# 13), after the target's own answer (MT-Bench-like chats), appended to the store; then 3,100 steps from the
+# committed head. Resumable.
+finetune-smollm2-s14: setup
+	$(VENV)/bin/hf-dflash2 regenerate \
+		--prompts sharegpt-followups:data/regen_sharegpt_s13.jsonl,data/regen_sharegpt_replay_s10.jsonl \
+		--output data/regen_followups_s14.jsonl --limit 1000 --max-prompt-tokens 384 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups_s14.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 3000000
+	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
+		--output runs/finetune_s14 --steps 3100 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
+		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
+		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 \
+		--checkpoint-every 100 --log-every 50 --stop-after-minutes 40 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s14 runs/finetune_s14/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s14/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round14.json
+
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.
 ABLATION_ARGS = --store data/store_regen6000 --steps 1500 --warmup-steps 60 --batch-size 2 --anchors 64 --lr 1e-3 \
@@ -187,7 +205,7 @@ ablation-smollm2-s14: setup
 	$(PY) benchmarks/heldout_tau.py runs/ablation_s14/dflash2/export runs/ablation_s14/dflash1/export --prompts 16 \
 		--tokens 64 --output benchmarks/results/ablation_round14.json
 	$(PY) benchmarks/tree_shapes.py --heads runs/ablation_s14/dflash2/export,runs/ablation_s14/dflash1/export \
-		--output benchmarks/results/ablation_trees_round14
+		--output ablation_trees_round14
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup

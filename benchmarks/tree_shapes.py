@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--heads", default=None, help="comma-separated head directories (default: the committed head)")
     parser.add_argument("--output", default="tree_shapes", help="results name under benchmarks/results/")
     args = parser.parse_args()
+    if Path(args.output).name != args.output:
+        parser.error(f"--output is a name under benchmarks/results/, not a path: {args.output!r}")
     from hf_dflash2.prompts import load_head
 
     target, tokenizer, committed_head = fp32_committed_head()

@@ -351,6 +351,48 @@ def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
     assert "loaded 1" in str(report)
 
 
+def test_sharegpt_followups_continue_after_the_targets_own_answer(tmp_path):
+    from hf_dflash2.assets import load_mtbench_prompts, load_sharegpt_followups
+    from hf_dflash2.training.store import drop_evaluation_prompts
+
+    def turns(*values):
+        return [{"from": who, "value": v} for who, v in zip(["human", "gpt", "human", "gpt"], values)]
+
+    leak = load_mtbench_prompts()[0]["messages"][0]["content"]
+    records = [
+        {"id": "a", "conversations": turns("hi", "logged answer", "and then?", "more")},
+        {"id": "b", "conversations": turns("one turn only", "answer")},
+        {"id": "c", "conversations": turns("not answered by the target", "x", "y")},
+        {"id": "d", "conversations": turns("q", "a", "   ")},
+        {"id": "e", "conversations": turns("q", "a", "please: " + leak)},
+    ]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(records))
+    answers = {"a": "the target's answer", "b": "x", "d": "x", "e": "x"}
+    prompts, report = load_sharegpt_followups(answers, path)
+    assert [p["id"] for p in prompts] == ["a:2", "e:2"]
+    assert prompts[0]["messages"] == [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "the target's answer"},
+                                      {"role": "user", "content": "and then?"}]
+    assert report.skipped == {"no second human turn": 1, "empty turn": 1}
+    # an evaluation prompt in a later user turn is dropped like one in the first
+    assert [p["id"] for p in drop_evaluation_prompts(prompts)] == ["a:2"]
+
+
+def test_regenerate_cli_names_a_missing_followup_source_before_loading(tmp_path, monkeypatch):
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    with pytest.raises(SystemExit, match="not found: .*gone.jsonl"):
+        main(["regenerate", "--prompts", f"sharegpt-followups:{tmp_path / 'gone.jsonl'}",
+              "--output", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 def test_exported_history_is_thinned_but_keeps_every_evaluation():
     from hf_dflash2.training.export import thin_history
 

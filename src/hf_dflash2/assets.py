@@ -138,6 +138,34 @@ def load_sharegpt_prompts(path: str | Path | None = None, limit: int | None = No
     return prompts, report
 
 
+def load_sharegpt_followups(answers: dict[str, str], path: str | Path | None = None) -> tuple[list[dict], LoadReport]:
+    """Second human turns of the ShareGPT conversations whose first turn the target has answered, as
+    ``{"id": "<id>:2", "messages": [user, assistant, user]}`` with the target's own answer (``answers``:
+    conversation id -> text) in place of the logged one: the data then continues a chat the way the
+    target would have led it, as MT-Bench's second turns do."""
+    report = LoadReport()
+    text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
+    prompts = []
+    for record in iter_json_array(text, report):
+        conversation_id = str(record.get("id", ""))
+        if conversation_id not in answers:
+            continue
+        turns = record.get("conversations") or []
+        if len(turns) < 3 or [t.get("from") for t in turns[:3]] != ["human", "gpt", "human"]:
+            report.skip("no second human turn")
+            continue
+        first, second = ((t.get("value") or "").strip() for t in (turns[0], turns[2]))
+        if not first or not second:
+            report.skip("empty turn")
+            continue
+        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": answers[conversation_id]},
+                    {"role": "user", "content": second}]
+        prompts.append({"id": f"{conversation_id}:2", "messages": messages})
+        report.loaded += 1
+    logger.info("ShareGPT second turns: %s", report)
+    return prompts, report
+
+
 def load_jsonl_prompts(path: str | Path) -> tuple[list[dict], LoadReport]:
     """A JSONL of ``{"messages": [...]}`` chats or ``{"prompt": str}`` lines (optional ``id``)."""
     report = LoadReport()

@@ -54,12 +54,33 @@ def _load_target(args, precision: str):
     return target, tokenizer, dtype
 
 
-def _load_prompts(source: str | None, seed: int):
-    from ..assets import load_jsonl_prompts, load_sharegpt_prompts
+FOLLOWUPS = "sharegpt-followups:"
+
+
+def _followup_sources(source: str | None) -> list[Path]:
+    """The regenerated files a ``sharegpt-followups:FILE,FILE`` source names, each checked to exist."""
+    if not source or not source.startswith(FOLLOWUPS):
+        return []
+    paths = [Path(p) for p in source[len(FOLLOWUPS):].split(",") if p]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if not paths or missing:
+        raise SystemExit(f"--prompts {source}: name regenerated JSONL files of ShareGPT first turns"
+                         + (f"; not found: {', '.join(missing)}" if missing else ""))
+    return paths
+
+
+def _load_prompts(source: str | None, seed: int, tokenizer=None):
+    from ..assets import load_jsonl_prompts, load_sharegpt_followups, load_sharegpt_prompts
     from .store import drop_evaluation_prompts
 
     if source in (None, "sharegpt"):
         prompts, report = load_sharegpt_prompts()
+    elif source.startswith(FOLLOWUPS):
+        from .regenerate import read_regenerated
+
+        answers = {record["id"]: tokenizer.decode(record["response_ids"], skip_special_tokens=True).strip()
+                   for path in _followup_sources(source) for record in read_regenerated(path)}
+        prompts, report = load_sharegpt_followups({k: v for k, v in answers.items() if v})
     elif source == "python-functions" or source.startswith("python-functions:"):
         from .code_prompts import python_function_prompts
 
@@ -92,12 +113,17 @@ def cmd_regenerate(args) -> int:
         raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
     if args.skip < 0:
         raise SystemExit(f"--skip {args.skip} must be >= 0")
-    prompts = _load_prompts(args.prompts, args.seed)
+    if _followup_sources(args.prompts):  # the target's answers are decoded with its tokenizer
+        target, tokenizer, _ = _load_target(args, args.mixed_precision)
+        prompts = _load_prompts(args.prompts, args.seed, tokenizer)
+    else:
+        prompts = _load_prompts(args.prompts, args.seed)
     if args.skip >= len(prompts):
         raise SystemExit(f"--skip {args.skip} leaves nothing: --prompts {args.prompts} holds {len(prompts)} prompts")
     # The order is fixed by --seed, so --skip N continues past what an earlier file (now gone) covered.
     prompts = prompts[args.skip :]
-    target, tokenizer, _ = _load_target(args, args.mixed_precision)
+    if not _followup_sources(args.prompts):
+        target, tokenizer, _ = _load_target(args, args.mixed_precision)
     regenerate(target, tokenizer, prompts, args.output, config, max_records=args.limit)
     return 0
 
@@ -111,7 +137,8 @@ def _register_regenerate(sub) -> None:
         default="sharegpt",
         help="'sharegpt' (offline package); 'python-functions' (documented functions of the standard library and "
         "installed packages, as HumanEval-style completions; 'python-functions:DIR,DIR' for other source); "
-        "or a JSONL of chats/prompts",
+        "'sharegpt-followups:FILE,FILE' (second turns of the ShareGPT conversations whose first turns these "
+        "regenerated files answer, after the target's own answer); or a JSONL of chats/prompts",
     )
     p.add_argument("--output", required=True)
     p.add_argument("--limit", type=int, default=None, help="stop after this many records in the file")

@@ -362,12 +362,12 @@ def sharegpt_exchanges(path: str | Path | None = None) -> tuple[list[dict], "obj
 
 
 def drop_evaluation_prompts(exchanges: list[dict], report=None) -> list[dict]:
-    """Remove exchanges whose question contains an evaluation prompt (MT-Bench / HumanEval)."""
+    """Remove exchanges where a user turn contains an evaluation prompt (MT-Bench / HumanEval)."""
     needles = evaluation_texts()
     kept = []
     for exchange in exchanges:
-        question = _normalise(exchange["messages"][0]["content"])
-        if any(needle in question for needle in needles):
+        questions = [_normalise(m["content"]) for m in exchange["messages"] if m.get("role", "user") == "user"]
+        if any(needle in question for needle in needles for question in questions):
             if report is not None:
                 report.skip("contains an evaluation prompt")
             continue
