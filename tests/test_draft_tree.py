@@ -328,3 +328,42 @@ def test_policy_counts_a_shared_prefix_once_and_hangs_the_ngram_below_it():
     spells = torch.tensor([[True, True, False, False, False]])
     m, kg = policy.choose_tree(logp, depth, torch.tensor([3]), spells).tolist()
     assert m == 4 and 6 <= kg <= 8, (m, kg)
+
+
+def test_rank_rates_drop_unlikely_siblings_that_depth_rates_keep():
+    """The likeliest node at depth 1 always passes, its six unlikely siblings never do. Rates by depth
+    blend them (the depth's rate stays near 1, so the siblings keep their 8 %); rates by rank learn that
+    ranks 2-7 fail, and the plan stops buying them at a twentieth of a step per node."""
+    flat = _cost([1.0] + [1.02 + 0.05 * k for k in range(15)])
+    logp, depth = _nodes([0.5] + [0.08] * 6, [1] * 7)
+    outcome = torch.tensor([[True] + [False] * 6])
+    none, no_ngram = torch.zeros(1, 7, dtype=torch.bool), torch.tensor([0])
+    plans = {}
+    for by in ("depth", "rank"):
+        policy = AdaptiveVerifyPolicy(flat, clock=None, tree_rates_by=by).start(16)
+        for _ in range(100):
+            policy.choose_tree(logp, depth, no_ngram, none)
+            policy.observe_tree(logp, depth, outcome)
+        plans[by] = policy.choose_tree(logp, depth, no_ngram, none).tolist()
+    assert plans["depth"][0] == 7 and plans["rank"][0] == 1, plans
+    with pytest.raises(ValueError, match="'width'"):
+        AdaptiveVerifyPolicy(flat, tree_rates_by="width")
+
+
+def test_average_back_off_rides_out_one_unsure_draft():
+    """A head that pays on average, then one unsure draft: per-round back-off skips the next rounds,
+    back-off on the running average keeps drafting; a head that never pays backs off either way."""
+    cost = _cost([1.0] + [1.05 + 0.01 * k for k in range(15)], draft=0.2)
+    sure, unsure = torch.full((1, 7), 0.9), torch.full((1, 7), 0.02)
+    skipped = {}
+    for on in ("round", "average"):
+        policy = AdaptiveVerifyPolicy(cost, clock=None, prior_ratio=1.0, back_off_on=on).start(8)
+        for confidence in (sure, sure, sure, unsure):
+            assert policy.wants_draft()
+            policy.chosen(int(policy.choose(confidence)))
+        skipped[on] = policy.to_skip
+    assert skipped["round"] >= policy.min_skip and skipped["average"] == 0, skipped
+    never = AdaptiveVerifyPolicy(cost, clock=None, prior_ratio=1.0, back_off_on="average").start(8)
+    assert never.wants_draft()
+    never.chosen(int(never.choose(unsure)))
+    assert never.to_skip >= never.min_skip
