@@ -1,6 +1,6 @@
 """Head alone vs head + n-gram drafts, deterministically: the same text, the same cost model.
 
-    python benchmarks/ngram_hybrid.py [--prompts 16] [--new-tokens 192] [--cost-dtype bf16] [--variants 4,6]
+    python benchmarks/ngram_hybrid.py [--prompts 16] [--new-tokens 192] [--cost-dtype bf16]
 
 Wall-clock ratios in bf16 mix two effects: speculation, and bf16 near-ties that flip when a verify runs
 on another kernel path, after which the texts part (so each method decodes a different text). Here the
@@ -9,9 +9,8 @@ target decodes in fp32, where every variant's output equals plain greedy, and ea
 verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
 nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
 head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
-source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``);
-then planner options of ``AdaptiveVerifyPolicy`` on the tree variants (``tree_rates_by``, ``back_off_on``).
-``--variants 4,6,7`` runs a subset (indices into ``VARIANTS``). Speedup = tokens x verify(1) / modelled time.
+source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``).
+Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/ngram_hybrid.{json,md,png}.
 """
 
