@@ -38,16 +38,6 @@ VARIANTS = {
     "head's tree, block 16": {"ngram_size": 0, "block_size": 16, "draft_tree": True},
     "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
     "head's tree + n-gram (default), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
-    # planner variants (AdaptiveVerifyPolicy options)
-    "head's tree, block 16, rank rates + average back-off": {
-        "ngram_size": 0, "block_size": 16, "draft_tree": True,
-        "policy": {"tree_rates_by": "rank", "back_off_on": "average"}},
-    "default, rank rates": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
-                            "policy": {"tree_rates_by": "rank"}},
-    "default, average back-off": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
-                                  "policy": {"back_off_on": "average"}},
-    "default, rank rates + average back-off": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
-                                               "policy": {"tree_rates_by": "rank", "back_off_on": "average"}},
 }
 
 
@@ -57,16 +47,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--cost-dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--head", default=None)
-    parser.add_argument("--variants", default=None,
-                        help="comma-separated indices into VARIANTS (default: all); the first one given is the "
-                             "reference whose text the others must equal")
     args = parser.parse_args()
-    variants = VARIANTS if args.variants is None else {
-        label: VARIANTS[label] for label in (list(VARIANTS)[int(i)] for i in args.variants.split(","))}
     head_folder = args.head or default_head("smollm2-135m-dflash2")
 
     timing_target, _ = load_target_for_decoding(args.cost_dtype, None, None)
-    widest = max(v["block_size"] for v in variants.values())
+    widest = max(v["block_size"] for v in VARIANTS.values())
     cost = load_or_measure_cost_model(timing_target, load_head(head_folder, timing_target), 1, widest)
     del timing_target
     target, tokenizer = load_target_for_decoding("fp32", None, None)
@@ -85,19 +70,18 @@ def main() -> None:
     for name in ("mtbench", "humaneval"):
         prompts = load_prompt_set(name, args.prompts)
         totals = {label: {"tokens": 0, "seconds": 0.0, "rounds": 0, "ngram_rounds": 0, "tree_rounds": 0}
-                  for label in variants}
+                  for label in VARIANTS}
         reference = None
         for prompt in tqdm(prompts, desc=name, unit="prompt"):
             ids = encode_prompt(tokenizer, prompt, target.device)
-            for label, settings in variants.items():
+            for label, settings in VARIANTS.items():
                 block = settings["block_size"]
-                policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None,
-                                              **settings.get("policy", {}))
+                policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
                 draft_passes[0] = 0
                 out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, verify_policy=policy,
                                            block_size=block, ngram_size=settings["ngram_size"],
                                            draft_tree=settings["draft_tree"])
-                if label == next(iter(variants)):
+                if label == next(iter(VARIANTS)):
                     reference = out.sequences
                 elif not torch.equal(out.sequences, reference):
                     raise AssertionError(f"{label}: fp32 output differs from the head-alone output on {name}")

@@ -416,12 +416,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
                  probe_overhead: float = 0.03, prior_ratio: float = 0.5,
                  clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
-                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0, ngram_streak: int = 4,
-                 tree_rates_by: str = "depth", back_off_on: str = "round", payoff_memory: float = 0.7):
-        if tree_rates_by not in ("depth", "rank") or back_off_on not in ("round", "average"):
-            raise ValueError(f"tree_rates_by must be 'depth' or 'rank' (got {tree_rates_by!r}), back_off_on "
-                             f"'round' or 'average' (got {back_off_on!r})")
-        self.tree_rates_by, self.back_off_on, self.payoff_memory = tree_rates_by, back_off_on, payoff_memory
+                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0, ngram_streak: int = 4):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
         self.prior_ratio = prior_ratio
         self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
@@ -435,7 +430,6 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             )
         self.observed = self.predicted = None  # [sources, S] device accumulators, allocated on first use
         self.skip, self.to_skip, self._paid = 0, 0, False
-        self._best_rate, self._payoff = None, None  # this round's best rate / a step's; its running average
         self._exploring, self._head_drafted = False, True  # this round: a timed plain step; the head drafted
         self._ngram_streak = 0  # rounds in a row that n-gram drafts won
         # measured / predicted seconds of the call's recent rounds: plain steps, drafted rounds
@@ -452,7 +446,6 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
                 self.timed[kind].extend(values)
             # the back-off level carries over; the first probe still comes soon (this prompt may pay)
             self.skip, self.to_skip = previous.skip, min(previous.skip, self.min_skip)
-            self._payoff = previous._payoff
         return super().start(block_size)
 
     def _time_last_round(self) -> None:
@@ -535,7 +528,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     def choose(self, confidence, source=None, drafted=True):
         self._head_drafted = drafted
         if confidence is None:
-            self._paid, self._best_rate = True, None  # nothing to judge the draft by: keep drafting
+            self._paid = True  # nothing to judge the draft by: keep drafting
             return self.block_size - 1
         a = self._acceptance(confidence, source)  # [N, S]
         reach = a.cumprod(dim=-1)
@@ -553,10 +546,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         rows, ranked = node_logp.shape[0], min(node_logp.shape[1], s)
         ones = torch.ones(rows, s, device=node_logp.device)
         depth = node_depth[:, :ranked]
-        if self.tree_rates_by == "rank":
-            rate = self._ratio(ones)[TREE_ROW][:ranked].expand(rows, -1)
-        else:
-            rate = self._ratio(ones)[TREE_ROW][(depth - 1).clamp(0, s - 1)]
+        rate = self._ratio(ones)[TREE_ROW][(depth - 1).clamp(0, s - 1)]
         node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0)  # [N, ranked]
         ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
         reach_to = torch.cat([ones.new_zeros(rows, 1), ngram_reach.cumsum(-1)], dim=1)  # [N, S + 1]
@@ -592,8 +582,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         drafted_cost = ((self._verify_cost + draft_seconds) * rho).clamp(min=self._step_cost + draft_seconds)
         rate = torch.where((size > 0) & fits, expected / drafted_cost[size], 0.0)
         best_rate = rate.argmax()
-        self._best_rate = rate[best_rate] * self._step_cost / rows
-        self._paid = self._best_rate > 1.0
+        self._paid = rate[best_rate] > rows / self._step_cost
         if not drafted:
             return torch.where(self._paid, best_rate, 0)
         extra_verify = (self._verify_cost - self._step_cost) * rho / self._step_cost  # >= 0: costs are monotone
@@ -611,12 +600,6 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         self._round = ("draft", k)
         self._drafted_in_a_row += 1
         self._ngram_streak = 1 if paid and not head_used else 0
-        if self.back_off_on == "average" and self._best_rate is not None:
-            # One unsure draft says little about the next ones: back off when drafting stops paying on average.
-            value = float(self._best_rate)
-            self._payoff = value if self._payoff is None else (
-                self.payoff_memory * self._payoff + (1 - self.payoff_memory) * value)
-            paid = self._payoff > 1.0
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip
@@ -628,10 +611,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         if node_logp.shape[1] == 0:
             return
         self._ratio(node_logp)
-        if self.tree_rates_by == "rank":
-            column = torch.arange(node_logp.shape[1], device=node_logp.device).expand_as(node_depth).flatten()
-        else:
-            column = (node_depth - 1).clamp(0, self.block_size - 2).flatten()
+        column = (node_depth - 1).clamp(0, self.block_size - 2).flatten()
         self.observed[TREE_ROW].index_add_(0, column, accepted.float().flatten())
         self.predicted[TREE_ROW].index_add_(0, column, node_logp.float().exp().flatten())
 
