@@ -113,7 +113,8 @@ def cmd_regenerate(args) -> int:
         raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
     if args.skip < 0:
         raise SystemExit(f"--skip {args.skip} must be >= 0")
-    if _followup_sources(args.prompts):  # the target's answers are decoded with its tokenizer
+    followups = bool(_followup_sources(args.prompts))
+    if followups:  # the target's answers are decoded with its tokenizer
         target, tokenizer, _ = _load_target(args, args.mixed_precision)
         prompts = _load_prompts(args.prompts, args.seed, tokenizer)
     else:
@@ -122,7 +123,7 @@ def cmd_regenerate(args) -> int:
         raise SystemExit(f"--skip {args.skip} leaves nothing: --prompts {args.prompts} holds {len(prompts)} prompts")
     # The order is fixed by --seed, so --skip N continues past what an earlier file (now gone) covered.
     prompts = prompts[args.skip :]
-    if not _followup_sources(args.prompts):
+    if not followups:
         target, tokenizer, _ = _load_target(args, args.mixed_precision)
     regenerate(target, tokenizer, prompts, args.output, config, max_records=args.limit)
     return 0
