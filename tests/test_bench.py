@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dflash2.bench import card_results, markdown_table, summarize, to_native_dflash
+from hf_dflash2.bench import card_results, markdown_table, median_run, summarize, to_native_dflash
 
 from .conftest import tiny_drafter, tiny_target
 
@@ -74,3 +74,21 @@ def test_bench_rotates_the_method_order_per_prompt():
     assert [order[0] for order in orders[:3]] == methods  # each method leads once per cycle
     assert all(sorted(order) == sorted(methods) for order in orders)
     assert rotated([], 5) == []
+
+
+def test_a_prompt_counts_its_median_run_and_the_table_says_so():
+    """One slow run on a shared CPU must not decide a prompt's speedup: the run of median s/token counts,
+    tokens and seconds from that same run (sampled runs differ in length)."""
+    assert median_run([(100, 3.0), (100, 1.0), (100, 1.2)]) == (100, 1.2)
+    assert median_run([(50, 1.0), (100, 1.0), (200, 1.0)]) == (100, 1.0)  # s/token 0.02, 0.01, 0.005
+    assert median_run([(10, 1.0), (10, 2.0)]) == (10, 2.0)  # even count: the slower middle run
+    assert median_run([(7, 0.5)]) == (7, 0.5)
+    with pytest.raises(ValueError, match="no runs"):
+        median_run([])
+    entry = {"prompts": 1, "tokens_per_s_median": 10.0, "seconds_per_prompt_median": 1.0,
+             "seconds_per_prompt_min": 1.0, "seconds_per_prompt_max": 1.0}
+    report = {"datasets": {"mtbench": {"ar": entry}}, "skipped": {}, "command": "hf-dflash2 bench",
+              "settings": {"batch_size": 1, "temperature": 0.0, "max_new_tokens": 8, "repeats": 3}}
+    assert "the median of 3 interleaved runs per prompt" in markdown_table(report)
+    report["settings"]["repeats"] = 1
+    assert "interleaved runs" not in markdown_table(report)

@@ -268,6 +268,10 @@ def test_cli_rejects_bad_sampling_and_template_before_loading(tmp_path, monkeypa
         main(["bench", "--top-k", "0"])
     with pytest.raises(SystemExit, match="unknown methods"):
         main(["bench", "--methods", "ar,warp"])
+    with pytest.raises(SystemExit, match="repeats must be >= 1, got 0"):
+        main(["bench", "--repeats", "0"])
+    with pytest.raises(SystemExit, match="repeats must be >= 1, got -2"):
+        main(["demo", "--repeats", "-2"])
     head = tmp_path / "head"
     head.mkdir()
     (head / "config.json").write_text("{}")

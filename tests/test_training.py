@@ -356,7 +356,7 @@ def test_sharegpt_followups_continue_after_the_targets_own_answer(tmp_path):
     from hf_dflash2.training.store import drop_evaluation_prompts
 
     def turns(*values):
-        return [{"from": who, "value": v} for who, v in zip(["human", "gpt", "human", "gpt"], values)]
+        return [{"from": who, "value": v} for who, v in zip(["human", "gpt"] * 3, values)]
 
     leak = load_mtbench_prompts()[0]["messages"][0]["content"]
     records = [
@@ -374,9 +374,18 @@ def test_sharegpt_followups_continue_after_the_targets_own_answer(tmp_path):
     assert prompts[0]["messages"] == [{"role": "user", "content": "hi"},
                                       {"role": "assistant", "content": "the target's answer"},
                                       {"role": "user", "content": "and then?"}]
-    assert report.skipped == {"no second human turn": 1, "empty turn": 1}
+    assert report.skipped == {"no human turn after the answered ones": 1, "empty turn": 1}
     # an evaluation prompt in a later user turn is dropped like one in the first
     assert [p["id"] for p in drop_evaluation_prompts(prompts)] == ["a:2"]
+    # with the target's second answers too, the third turns (a conversation must have one)
+    records.append({"id": "f", "conversations": turns("q1", "a1", "q2", "a2", "q3")})
+    path.write_text(json.dumps(records))
+    answers.update({"a:2": "second answer", "f": "first", "f:2": "second", "f:4": "a gap: never used"})
+    prompts, report = load_sharegpt_followups(answers, path)
+    assert [p["id"] for p in prompts] == ["e:2", "f:3"]
+    assert [m["content"] for m in prompts[1]["messages"]] == ["q1", "first", "q2", "second", "q3"]
+    assert [m["role"] for m in prompts[1]["messages"]] == ["user", "assistant"] * 2 + ["user"]
+    assert report.skipped == {"no human turn after the answered ones": 2, "empty turn": 1}  # a has no 3rd turn
 
 
 def test_regenerate_cli_names_a_missing_followup_source_before_loading(tmp_path, monkeypatch):

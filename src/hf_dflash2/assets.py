@@ -139,10 +139,14 @@ def load_sharegpt_prompts(path: str | Path | None = None, limit: int | None = No
 
 
 def load_sharegpt_followups(answers: dict[str, str], path: str | Path | None = None) -> tuple[list[dict], LoadReport]:
-    """Second human turns of the ShareGPT conversations whose first turn the target has answered, as
-    ``{"id": "<id>:2", "messages": [user, assistant, user]}`` with the target's own answer (``answers``:
-    conversation id -> text) in place of the logged one: the data then continues a chat the way the
-    target would have led it, as MT-Bench's second turns do."""
+    """The next human turn of each ShareGPT conversation the target has answered so far, after the target's
+    own answers in place of the logged ones: the data then continues a chat the way the target would have
+    led it, as MT-Bench's second turns do.
+
+    ``answers`` maps regenerated ids to the target's answer text: ``"<id>"`` for a first turn and
+    ``"<id>:<n>"`` for turn n (what this function names its prompts). A conversation whose turns 1..n all
+    have answers gives ``{"id": "<id>:<n+1>", "messages": [user, assistant, ..., user]}``; so first-turn
+    files alone give second turns, and adding the second turns' file gives third turns."""
     report = LoadReport()
     text = Path(path or sharegpt_path()).read_text(encoding="utf-8")
     prompts = []
@@ -150,19 +154,25 @@ def load_sharegpt_followups(answers: dict[str, str], path: str | Path | None = N
         conversation_id = str(record.get("id", ""))
         if conversation_id not in answers:
             continue
+        answered = [answers[conversation_id]]
+        while f"{conversation_id}:{len(answered) + 1}" in answers:
+            answered.append(answers[f"{conversation_id}:{len(answered) + 1}"])
         turns = record.get("conversations") or []
-        if len(turns) < 3 or [t.get("from") for t in turns[:3]] != ["human", "gpt", "human"]:
-            report.skip("no second human turn")
+        expected = ["human", "gpt"] * len(answered) + ["human"]
+        if [t.get("from") for t in turns[: len(expected)]] != expected:
+            report.skip("no human turn after the answered ones")
             continue
-        first, second = ((t.get("value") or "").strip() for t in (turns[0], turns[2]))
-        if not first or not second:
+        questions = [(turns[2 * i].get("value") or "").strip() for i in range(len(answered) + 1)]
+        if not all(questions):
             report.skip("empty turn")
             continue
-        messages = [{"role": "user", "content": first}, {"role": "assistant", "content": answers[conversation_id]},
-                    {"role": "user", "content": second}]
-        prompts.append({"id": f"{conversation_id}:2", "messages": messages})
+        messages = []
+        for question, answer in zip(questions, answered):
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": questions[-1]})
+        prompts.append({"id": f"{conversation_id}:{len(answered) + 1}", "messages": messages})
         report.loaded += 1
-    logger.info("ShareGPT second turns: %s", report)
+    logger.info("ShareGPT follow-up turns: %s", report)
     return prompts, report
 
 

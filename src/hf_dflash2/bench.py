@@ -186,7 +186,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
                     "threads": torch.get_num_threads(), "device": str(target.device),
                     "dtype": str(target.dtype).removeprefix("torch.")},  # what `auto` chose, both sides
         "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "top_k", "top_p",
-                                                   "batch_size", "methods", "chat_template")},
+                                                   "batch_size", "methods", "chat_template", "repeats")},
         "heads": heads_paths,
         "skipped": {},
         "datasets": {},
@@ -197,7 +197,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
             report["skipped"][method] = reason
     active = [m for m in methods if m not in report["skipped"]]
     warm_up(runner, active, datasets, tokenizer, target, args.batch_size)
-    total = sum(-(-len(p) // args.batch_size) for p in datasets.values()) * len(active)
+    total = sum(-(-len(p) // args.batch_size) for p in datasets.values()) * len(active) * args.repeats
     progress = tqdm(total=total, desc="bench", unit="run")
     for name, prompts in datasets.items():
         per_method = {m: {"tokens": [], "seconds": []} for m in active}
@@ -205,17 +205,30 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
             rows = [encode_prompt(tokenizer, p, target.device) for p in prompts[start : start + args.batch_size]]
             ids, mask = left_pad(rows, tokenizer.pad_token_id)
             # Interleaved: every method on this prompt before the next prompt, the order rotated per prompt
-            # so that no method always runs right after the same other one.
-            for method in rotated(active, batch_index):
-                generated, seconds, stats = runner.run(method, ids, mask)
+            # and per repeat so that no method always runs right after the same other one.
+            runs = {m: [] for m in active}
+            for repeat in range(args.repeats):
+                for method in rotated(active, batch_index + repeat):
+                    generated, seconds, stats = runner.run(method, ids, mask)
+                    runs[method].append((generated, seconds))
+                    if stats is not None:
+                        per_method[method].setdefault("stats_list", []).append(stats.as_dict())
+                    progress.update(1)
+            for method, method_runs in runs.items():
+                generated, seconds = median_run(method_runs)
                 per_method[method]["tokens"].append(generated)
                 per_method[method]["seconds"].append(seconds)
-                if stats is not None:
-                    per_method[method].setdefault("stats_list", []).append(stats.as_dict())
-                progress.update(1)
         report["datasets"][name] = summarize(per_method)
     progress.close()
     return report
+
+
+def median_run(runs: list[tuple[int, float]]) -> tuple[int, float]:
+    """(tokens, seconds) of the run with the median seconds per token (the slower middle one of an even
+    count): sampled runs differ in length, so tokens and seconds are taken from one run, not each's median."""
+    if not runs:
+        raise ValueError("no runs to take the median of")
+    return sorted(runs, key=lambda run: run[1] / max(run[0], 1))[len(runs) // 2]
 
 
 def rotated(items: list, shift: int) -> list:
@@ -280,7 +293,9 @@ def markdown_table(report: dict) -> str:
     lines = []
     for name, methods in report["datasets"].items():
         lines.append(f"**{name}** ({next(iter(methods.values()))['prompts']} prompts, batch {report['settings']['batch_size']}, "
-                     f"T={report['settings']['temperature']}, max {report['settings']['max_new_tokens']} new tokens)\n")
+                     f"T={report['settings']['temperature']}, max {report['settings']['max_new_tokens']} new tokens"
+                     + (f", the median of {repeats} interleaved runs per prompt"
+                        if (repeats := report["settings"].get("repeats", 1)) > 1 else "") + ")\n")
         lines.append("| method | tau | tokens/s (median) | speedup vs AR | worst prompt | s/prompt median [min, max] "
                      "| acceptance pos 1..4 |")
         lines.append("|---|---|---|---|---|---|---|")

@@ -19,6 +19,7 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     from transformers import TextStreamer
 
+    from .bench import median_run
     from .generation import speculative_generate
     from .prompts import (
         apply_chat_template_option,
@@ -47,19 +48,26 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
                 "top_k": settings.top_k, "top_p": settings.top_p}
     print(f"\n>>> {prompt}\n")
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+    plain_sampling = sampling if sampling["do_sample"] else greedy
     with torch.no_grad():
-        speculative_generate(target, drafter, ids, max_new_tokens=4)  # warm-up, not timed
-        started = time.perf_counter()
+        # The streamed answer is also the warm-up (kernels, the cost model); the timed runs come after it,
+        # in pairs whose order alternates, and the medians count: one run on a shared CPU can be far off.
         result = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, streamer=streamer,
                                       **sampling)
-        spec_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-        plain_sampling = sampling if sampling["do_sample"] else greedy
-        plain = target.generate(ids, max_new_tokens=max_new_tokens, **plain_sampling)
-        ar_seconds = time.perf_counter() - started
-    spec_tokens = int(result.num_generated[0])
-    ar_tokens = plain.shape[1] - ids.shape[1]
+        target.generate(ids, max_new_tokens=4, **plain_sampling)
+        spec_runs, ar_runs = [], []
+        for repeat in range(settings.repeats):
+            for side in (("spec", "ar") if repeat % 2 == 0 else ("ar", "spec")):
+                started = time.perf_counter()
+                if side == "spec":
+                    timed = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, **sampling)
+                    spec_runs.append((int(timed.num_generated[0]), time.perf_counter() - started))
+                else:
+                    plain = target.generate(ids, max_new_tokens=max_new_tokens, **plain_sampling)
+                    ar_runs.append((plain.shape[1] - ids.shape[1], time.perf_counter() - started))
+    spec_tokens, spec_seconds = median_run(spec_runs)
+    ar_tokens, ar_seconds = median_run(ar_runs)
     same = torch.equal(result.sequences[0, : plain.shape[1]], plain[0]) and result.sequences.shape[1] == plain.shape[1]
     same = same if not sampling["do_sample"] else None  # sampled runs agree in law, not token for token
     # In bf16 a 16-token verify and a 1-token step round differently, so at near-ties the two greedy outputs
@@ -67,12 +75,15 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     spec_new, plain_new = result.sequences[0, ids.shape[1] :], plain[0, ids.shape[1] :]
     shared = min(len(spec_new), len(plain_new))
     agree = int((spec_new[:shared] == plain_new[:shared]).int().cumprod(0).sum()) if shared else 0
+    plain_count = len(plain_new)
     summary = {
         "tau": result.stats.acceptance_length,
         "dflash2_tokens_per_s": spec_tokens / spec_seconds,
         "ar_tokens_per_s": ar_tokens / ar_seconds,
         "identical_to_plain_greedy": same,
-        "identical_prefix_rate": agree / max(1, ar_tokens) if same is not None else None,
+        "identical_prefix_rate": agree / max(1, plain_count) if same is not None else None,
+        "speedup": (spec_tokens / spec_seconds) / (ar_tokens / ar_seconds),
+        "speedup_per_run": [(st / ss) / (at / a_s) for (st, ss), (at, a_s) in zip(spec_runs, ar_runs)],
         "dtype": str(dtype).removeprefix("torch."),
         "verify_length_histogram": result.stats.verify_length_histogram,
         "ngram_rounds": result.stats.ngram_rounds,
@@ -81,7 +92,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     }
     lengths = ", ".join(f"k={k}: {n}" for k, n in enumerate(summary["verify_length_histogram"]) if n)
     print(
-        f"\n\ndFlash 2 fast loop: {spec_tokens} tokens in {spec_seconds:.2f} s = "
+        f"\n\ndFlash 2 fast loop: {spec_tokens} tokens in {spec_seconds:.2f} s (median of {settings.repeats} runs) = "
         f"{summary['dflash2_tokens_per_s']:.1f} tok/s, "
         f"tau = {summary['tau']:.2f} tokens per target forward"
         f"\n                    drafts verified per round (k = 0: a plain step): {lengths}"
@@ -89,10 +100,12 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         f"{summary['ngram_rounds']} of {summary['rounds']}"
         f"\n                    rounds that verified a draft tree (head's likeliest tokens, n-gram chain): "
         f"{summary['tree_rounds']} of {summary['rounds']}"
-        f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s = {summary['ar_tokens_per_s']:.1f} tok/s"
-        f"\nspeedup {summary['dflash2_tokens_per_s'] / summary['ar_tokens_per_s']:.2f}x, "
-        f"output identical to plain AR: {same}"
-        + (f" (identical prefix {agree}/{ar_tokens} tokens, {summary['dtype']})" if same is not None else "")
+        f"\nplain AR:           {ar_tokens} tokens in {ar_seconds:.2f} s (median of {settings.repeats} runs) = "
+        f"{summary['ar_tokens_per_s']:.1f} tok/s"
+        f"\nspeedup {summary['speedup']:.2f}x (run by run: "
+        + ", ".join(f"{x:.2f}x" for x in summary["speedup_per_run"])
+        + f"), output identical to plain AR: {same}"
+        + (f" (identical prefix {agree}/{plain_count} tokens, {summary['dtype']})" if same is not None else "")
     )
     return summary
 

@@ -66,12 +66,14 @@ class BenchSettings(SamplingSettings):
     mixed_precision: str = field(default="auto",
                                  metadata={"help": PRECISION_HELP_DECODE + " (every method, same dtype)"})
     seed: int = 0
+    repeats: int = field(default=1, metadata={
+        "help": "runs of every method on every prompt, interleaved; per prompt the median run (by s/token) counts"})
     output: str = "benchmarks/results"
 
     def __post_init__(self):
         super().__post_init__()
         validate_precision(self.mixed_precision)
-        for name in ("limit", "max_new_tokens", "batch_size"):
+        for name in ("limit", "max_new_tokens", "batch_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         unknown = sorted(set(self.methods.split(",")) - set(BENCH_METHODS))
@@ -85,12 +87,14 @@ class DemoSettings(SamplingSettings):
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP_DECODE + " (both runs, same dtype)"})
+    repeats: int = field(default=3, metadata={"help": "timed runs of each side, interleaved; the median run counts"})
 
     def __post_init__(self):
         super().__post_init__()
         validate_precision(self.mixed_precision)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        for name in ("max_new_tokens", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass

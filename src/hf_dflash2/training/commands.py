@@ -64,7 +64,7 @@ def _followup_sources(source: str | None) -> list[Path]:
     paths = [Path(p) for p in source[len(FOLLOWUPS):].split(",") if p]
     missing = [str(p) for p in paths if not p.is_file()]
     if not paths or missing:
-        raise SystemExit(f"--prompts {source}: name regenerated JSONL files of ShareGPT first turns"
+        raise SystemExit(f"--prompts {source}: name regenerated JSONL files of ShareGPT turns"
                          + (f"; not found: {', '.join(missing)}" if missing else ""))
     return paths
 
@@ -138,8 +138,9 @@ def _register_regenerate(sub) -> None:
         default="sharegpt",
         help="'sharegpt' (offline package); 'python-functions' (documented functions of the standard library and "
         "installed packages, as HumanEval-style completions; 'python-functions:DIR,DIR' for other source); "
-        "'sharegpt-followups:FILE,FILE' (second turns of the ShareGPT conversations whose first turns these "
-        "regenerated files answer, after the target's own answer); or a JSONL of chats/prompts",
+        "'sharegpt-followups:FILE,FILE' (the next turn of the ShareGPT conversations whose turns these "
+        "regenerated files answer, after the target's own answers: first-turn files give second turns, adding "
+        "the second turns' file gives third turns); or a JSONL of chats/prompts",
     )
     p.add_argument("--output", required=True)
     p.add_argument("--limit", type=int, default=None, help="stop after this many records in the file")
