@@ -1,6 +1,7 @@
 """Head alone vs head + n-gram drafts, deterministically: the same text, the same cost model.
 
-    python benchmarks/ngram_hybrid.py [--prompts 16] [--new-tokens 192] [--cost-dtype bf16]
+    python benchmarks/ngram_hybrid.py [--prompts 16] [--new-tokens 192] [--cost-dtype bf16] [--variants 1,5,6]
+        [--output NAME]
 
 Wall-clock ratios in bf16 mix two effects: speculation, and bf16 near-ties that flip when a verify runs
 on another kernel path, after which the texts part (so each method decodes a different text). Here the
@@ -9,16 +10,20 @@ target decodes in fp32, where every variant's output equals plain greedy, and ea
 verify(k + 1), every draft pass its measured time. The policy runs without a clock (``clock=None``), so
 nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
 head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
-source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``).
+source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``);
+then the default with its tree nodes ranked without the top-K mass (session 15's change undone).
+``--variants`` picks some by number (1-based, in this order; the first picked is the reference text).
 Speedup = tokens x verify(1) / modelled time.
-Writes benchmarks/results/ngram_hybrid.{json,md,png}.
+Writes benchmarks/results/<output, default ngram_hybrid>.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
+from unittest import mock
 
 import torch
 from tqdm.auto import tqdm
@@ -26,9 +31,10 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, chart_bars, save, table  # noqa: E402
 
-from hf_dflash2 import speculative_generate  # noqa: E402
+from hf_dflash2 import generation, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, load_or_measure_cost_model  # noqa: E402
+from hf_dflash2.draft_tree import rank_continuations  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
 
@@ -38,6 +44,9 @@ VARIANTS = {
     "head's tree, block 16": {"ngram_size": 0, "block_size": 16, "draft_tree": True},
     "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
     "head's tree + n-gram (default), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
+    # session 15's choice undone: tree nodes ranked by the selector's softmax alone (draft_tree.rank_continuations)
+    "the default, trees without the top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
+                                                  "top_k_mass": False},
 }
 
 
@@ -47,11 +56,23 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=192)
     parser.add_argument("--cost-dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--head", default=None)
+    parser.add_argument("--variants", default=None, help="comma-separated variant numbers (1-based; default all)")
+    parser.add_argument("--output", default="ngram_hybrid", help="results name under benchmarks/results/")
     args = parser.parse_args()
+    if Path(args.output).name != args.output:
+        parser.error(f"--output is a name under benchmarks/results/, not a path: {args.output!r}")
+    names = list(VARIANTS)
+    try:
+        picked = [names[int(i) - 1] for i in args.variants.split(",")] if args.variants else names
+        if args.variants and min(int(i) for i in args.variants.split(",")) < 1:
+            raise IndexError
+    except (ValueError, IndexError):
+        parser.error(f"--variants takes numbers 1..{len(names)}, got {args.variants!r}")
+    variants = {name: VARIANTS[name] for name in picked}
     head_folder = args.head or default_head("smollm2-135m-dflash2")
 
     timing_target, _ = load_target_for_decoding(args.cost_dtype, None, None)
-    widest = max(v["block_size"] for v in VARIANTS.values())
+    widest = max(v["block_size"] for v in variants.values())
     cost = load_or_measure_cost_model(timing_target, load_head(head_folder, timing_target), 1, widest)
     del timing_target
     target, tokenizer = load_target_for_decoding("fp32", None, None)
@@ -70,18 +91,20 @@ def main() -> None:
     for name in ("mtbench", "humaneval"):
         prompts = load_prompt_set(name, args.prompts)
         totals = {label: {"tokens": 0, "seconds": 0.0, "rounds": 0, "ngram_rounds": 0, "tree_rounds": 0}
-                  for label in VARIANTS}
+                  for label in variants}
         reference = None
         for prompt in tqdm(prompts, desc=name, unit="prompt"):
             ids = encode_prompt(tokenizer, prompt, target.device)
-            for label, settings in VARIANTS.items():
+            for label, settings in variants.items():
                 block = settings["block_size"]
                 policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
                 draft_passes[0] = 0
-                out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, verify_policy=policy,
-                                           block_size=block, ngram_size=settings["ngram_size"],
-                                           draft_tree=settings["draft_tree"])
-                if label == next(iter(VARIANTS)):
+                ranking = partial(rank_continuations, top_k_mass=settings.get("top_k_mass", True))
+                with mock.patch.object(generation, "rank_continuations", ranking):
+                    out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens,
+                                               verify_policy=policy, block_size=block,
+                                               ngram_size=settings["ngram_size"], draft_tree=settings["draft_tree"])
+                if label == next(iter(variants)):
                     reference = out.sequences
                 elif not torch.equal(out.sequences, reference):
                     raise AssertionError(f"{label}: fp32 output differs from the head-alone output on {name}")
@@ -102,14 +125,14 @@ def main() -> None:
     print(table(rows, columns))
     command = "python benchmarks/ngram_hybrid.py " + " ".join(sys.argv[1:])
     costs = [round(v / verify[0], 3) for v in verify] + [round(cost.draft_seconds / verify[0], 3)]
-    save("ngram_hybrid", {"command": command, "prompts_per_set": args.prompts, "new_tokens": args.new_tokens,
+    save(args.output, {"command": command, "prompts_per_set": args.prompts, "new_tokens": args.new_tokens,
                           "cost_dtype": args.cost_dtype, "cost_in_steps_verify_1_to_16_then_draft": costs,
                           "rows": rows})
-    (RESULTS / "ngram_hybrid.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
+    (RESULTS / f"{args.output}.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
     labels = [f"{r['set']}\n{r['variant'].replace(', ', chr(10))}" for r in rows]
     chart_bars(labels, [r["modelled_speedup"] for r in rows], "modelled speed / plain greedy",
                f"head alone vs head + n-gram drafts ({args.cost_dtype} cost model, fp32 text)",
-               RESULTS / "ngram_hybrid.png")
+               RESULTS / f"{args.output}.png")
 
 
 if __name__ == "__main__":

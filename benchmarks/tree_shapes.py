@@ -14,7 +14,9 @@ head's top-16 candidates per position, the mean tokens a round commits (1 + the 
 - ``unary best-first``: the M nodes of highest path probability when each position's candidates are
   taken as independent (the unary softmax; what a DFlash-1 head can rank);
 - ``selector best-first``: the same with the selector's K x K scores as a Markov chain over the
-  candidates (``P(b | a) = softmax(S_t(a, .))``): dFlash 2's pairwise scores rank deeper branches.
+  candidates (``P(b | a) = softmax(S_t(a, .))``): dFlash 2's pairwise scores rank deeper branches;
+- ``selector x top-K mass``: the selector's step probabilities times the unary probability its K
+  candidates hold at that depth (the selector's softmax ignores the mass outside them).
 
 A DFlash-1 head has no selector: its chain is each position's argmax, its candidates the unary top 16,
 and its selector column is empty. Given a dFlash 2 head and a DFlash-1 head trained at equal budget, the
@@ -135,7 +137,7 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
                     r["truth"] = text[r["anchor_pos"] + 1 : r["anchor_pos"] + 1 + depth_count]
                     records.append(dict(r))
         for size in SIZES:
-            scores = {"chain": [], "unary best-first": [], "selector best-first": []}
+            scores = {"chain": [], "unary best-first": [], "selector best-first": [], "selector x top-K mass": []}
             splits = {kh: [] for kh in range(0, min(size, 7) + 1) if size - kh <= 15}
             for r in records:
                 cands, truth, depth_count = r["candidates"], r["truth"], len(r["path"])
@@ -151,6 +153,12 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
                     markov = best_first(size, depth_count,
                                         lambda d, parent, t=trans: t[d][0 if parent is None else parent])
                     scores["selector best-first"].append(committed(markov, cands, truth))
+                    # the selector's softmax is over the K candidates only: weigh each depth by the unary mass
+                    # its K candidates hold, so that a depth the head is unsure of ranks lower
+                    mass = [sum(u) for u in r["unary"]]
+                    weighted = best_first(size, depth_count, lambda d, parent, t=trans, m=mass: [
+                        p * m[d] for p in t[d][0 if parent is None else parent]])
+                    scores["selector x top-K mass"].append(committed(weighted, cands, truth))
             best_kh = max(splits, key=lambda kh: sum(splits[kh]))
             row = {"head": head_name, "set": name, "tree_size": size, "rounds": len(records)}
             row["chain"] = round(sum(scores["chain"]) / len(records), 3)
@@ -159,6 +167,8 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
             row["unary best-first"] = round(sum(scores["unary best-first"]) / len(records), 3)
             selector = scores["selector best-first"]
             row["selector best-first"] = round(sum(selector) / len(records), 3) if selector else None
+            weighted = scores["selector x top-K mass"]
+            row["selector x top-K mass"] = round(sum(weighted) / len(records), 3) if weighted else None
             rows.append(row)
     return rows
 

@@ -20,6 +20,7 @@ from hf_dflash2.draft_tree import (
     gather_path,
     move_path_to_front,
     path_out_of_place,
+    rank_continuations,
     spelling,
     supports_trees,
     tree_attention_mask,
@@ -71,6 +72,32 @@ def test_best_first_ranks_like_a_heap_walk():
             assert paths_of(nodes, r) == [path for path, _ in expected], (trial, r)
             torch.testing.assert_close(nodes.logp[r].exp(), torch.tensor([p for _, p in expected]))
             assert nodes.depth[r].tolist() == [len(path) for path, _ in expected]
+
+
+def test_selector_steps_are_weighed_by_the_unary_mass_of_their_candidates():
+    """Depth 2's two candidates hold 5 % of its unary mass (the rest is spread outside them): with the
+    weighting, depth 1's runner-up (p = 0.2) outranks the depth-2 node under the best first token
+    (0.8 x 0.99 within the candidates, but x 0.05 of the mass); without it, the deep node ranks second."""
+    from hf_dflash2.modeling_dflash2 import DraftOutput
+
+    vocab = 50
+    logits = torch.full((1, 2, vocab), -30.0)
+    logits[0, 0, :2] = torch.tensor([4.0, 3.0])  # depth 1: the two candidates hold ~all of the mass
+    logits[0, 1, 2:] = 0.0  # depth 2: 48 tokens at equal weight ...
+    logits[0, 1, :2] = torch.tensor([0.55, 0.45]).log() + torch.tensor(48 * 0.05 / 0.95).log()  # ... 5 % on these
+    q_ids = logits.topk(2, dim=-1).indices  # [1, 2, K = 2]
+    pair = torch.zeros(1, 2, 2, 2)
+    pair[0, 0, :, 0] = torch.tensor(0.8 / 0.2).log()  # the selector: 0.8 / 0.2 after the anchor
+    pair[0, 1, :, 0] = torch.tensor(0.99 / 0.01).log()  # then 0.99 / 0.01, whatever came first
+    draft = DraftOutput(tokens=q_ids[..., 0], q_ids=q_ids, q_probs=None, logits=logits, hidden=torch.zeros(1, 2, 4),
+                        pair_scores=pair)
+    weighed = rank_continuations(None, draft, 3)
+    plain = rank_continuations(None, draft, 3, top_k_mass=False)
+    ids = q_ids[0].tolist()
+    first, runner_up, deep = (ids[0][0],), (ids[0][1],), (ids[0][0], ids[1][0])
+    assert paths_of(plain, 0) == [first, deep, runner_up]
+    assert paths_of(weighed, 0) == [first, runner_up, deep]
+    torch.testing.assert_close(weighed.logp[0].exp(), torch.tensor([0.8, 0.2, 0.8 * 0.99 * 0.05]), rtol=1e-3, atol=1e-4)
 
 
 def random_tree(generator, n, vocab, m, kg, s=4, k=3):

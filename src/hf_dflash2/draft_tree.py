@@ -94,11 +94,21 @@ def best_first(candidate_ids: torch.Tensor, transition_logp: torch.Tensor, size:
                      parent_rank)
 
 
-def rank_continuations(drafter, draft, size: int) -> HeadNodes:
+def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> HeadNodes:
     """The head's ``size`` likeliest continuations from its ``DraftOutput``: by the selector's pair scores
-    (dFlash 2) or, without them (DFlash-1), by each position's unary top ``TREE_TOP_K`` as independent."""
+    (dFlash 2) or, without them (DFlash-1), by each position's unary top ``TREE_TOP_K`` as independent.
+
+    The selector's softmax spreads over its K candidates only, so a position whose candidates hold little
+    of the unary probability looks surer than it is. ``top_k_mass`` (default) weighs each of its steps by
+    the unary mass its K candidates hold (``benchmarks/tree_shapes.py``, session 15: 0.01-0.07 more tokens
+    per round at every tree size on both prompt sets)."""
     if draft.pair_scores is not None:
-        return best_first(draft.q_ids, draft.pair_scores.float().log_softmax(-1), size)
+        transition_logp = draft.pair_scores.float().log_softmax(-1)
+        if top_k_mass:
+            candidates = draft.q_ids.shape[-1]
+            mass = draft.logits.float().log_softmax(-1).topk(candidates, dim=-1).values.logsumexp(-1)  # [N, S]
+            transition_logp = transition_logp + mass[..., None, None]
+        return best_first(draft.q_ids, transition_logp, size)
     logp, top = draft.logits.float().log_softmax(-1).topk(min(TREE_TOP_K, draft.logits.shape[-1]), dim=-1)
     ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
     return best_first(ids, logp[:, :, None, :].expand(-1, -1, logp.shape[-1], -1), size)
