@@ -73,15 +73,16 @@ def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, 
     plt.close(fig)
 
 
-def fp32_committed_head():
+def fp32_committed_head(load_committed: bool = True):
     """(target, tokenizer, head): SmolLM2-135M-Instruct in fp32 (every variant's greedy text is then the
-    same) with the committed dFlash 2 head, prompts in the chat template."""
+    same) with the committed dFlash 2 head (None when not ``load_committed``), prompts in the chat
+    template."""
     from hf_dflash2.precision import load_target_for_decoding
     from hf_dflash2.prompts import apply_chat_template_option, default_head, load_head
 
     target, tokenizer = load_target_for_decoding("fp32", None, None)
     apply_chat_template_option(tokenizer, "auto")
-    return target, tokenizer, load_head(default_head("smollm2-135m-dflash2"), target)
+    return target, tokenizer, load_head(default_head("smollm2-135m-dflash2"), target) if load_committed else None
 
 
 def drafting_every_position(target, tokenizer, head, prompt: str, new_tokens: int, on_draft) -> list[int]:

@@ -47,6 +47,11 @@ VARIANTS = {
     # session 15's choice undone: tree nodes ranked by the selector's softmax alone (draft_tree.rank_continuations)
     "the default, trees without the top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
                                                   "top_k_mass": False},
+    # a candidate: a chain's confidence (the selector's softmax over K) times its candidates' unary mass
+    "head alone, block 8, confidence x top-K mass": {"ngram_size": 0, "block_size": 8, "draft_tree": False,
+                                                     "confidence_mass": True},
+    "the default, confidence x top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
+                                             "confidence_mass": True},
 }
 
 
@@ -81,9 +86,15 @@ def main() -> None:
     draft_passes = [0]
     draft_block = head.draft_block
 
+    confidence_mass = [False]
+
     def counted(*a, **k):
         draft_passes[0] += 1
-        return draft_block(*a, **k)
+        out = draft_block(*a, **k)
+        if confidence_mass[0] and out.pair_scores is not None:
+            mass = out.logits.float().log_softmax(-1).topk(out.q_ids.shape[-1], dim=-1).values.logsumexp(-1).exp()
+            out.confidence = out.confidence * mass
+        return out
 
     head.draft_block = counted
     verify = cost.verify_seconds
@@ -99,6 +110,7 @@ def main() -> None:
                 block = settings["block_size"]
                 policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
                 draft_passes[0] = 0
+                confidence_mass[0] = settings.get("confidence_mass", False)
                 ranking = partial(rank_continuations, top_k_mass=settings.get("top_k_mass", True))
                 with mock.patch.object(generation, "rank_continuations", ranking):
                     out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens,

@@ -90,7 +90,7 @@ def main() -> None:
         parser.error(f"--output is a name under benchmarks/results/, not a path: {args.output!r}")
     from hf_dflash2.prompts import load_head
 
-    target, tokenizer, committed_head = fp32_committed_head()
+    target, tokenizer, committed_head = fp32_committed_head(load_committed=args.heads is None)
     heads = {"committed": committed_head} if args.heads is None else {
         path: load_head(path, target) for path in args.heads.split(",")}
     rows = []
