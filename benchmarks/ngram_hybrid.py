@@ -45,13 +45,12 @@ VARIANTS = {
     "head + n-gram, block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": False},
     "head's tree + n-gram (default), block 16": {"ngram_size": 3, "block_size": 16, "draft_tree": True},
     # session 15's choice undone: tree nodes ranked by the selector's softmax alone (draft_tree.rank_continuations)
-    "the default, trees without the top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
-                                                  "top_k_mass": False},
-    # a candidate: a chain's confidence (the selector's softmax over K) times its candidates' unary mass
+    "the default, trees ranked without the top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
+                                                         "top_k_mass": False},
+    # tried in session 15 and lost: a chain's confidence (the selector's softmax over K) times its candidates'
+    # unary mass (ngram_hybrid_s15_mass_in_planner.md)
     "head alone, block 8, confidence x top-K mass": {"ngram_size": 0, "block_size": 8, "draft_tree": False,
                                                      "confidence_mass": True},
-    "the default, confidence x top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
-                                             "confidence_mass": True},
 }
 
 

@@ -99,19 +99,23 @@ def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> He
     (dFlash 2) or, without them (DFlash-1), by each position's unary top ``TREE_TOP_K`` as independent.
 
     The selector's softmax spreads over its K candidates only, so a position whose candidates hold little
-    of the unary probability looks surer than it is. ``top_k_mass`` (default) weighs each of its steps by
-    the unary mass its K candidates hold (``benchmarks/tree_shapes.py``, session 15: 0.01-0.07 more tokens
-    per round at every tree size on both prompt sets)."""
-    if draft.pair_scores is not None:
-        transition_logp = draft.pair_scores.float().log_softmax(-1)
-        if top_k_mass:
-            candidates = draft.q_ids.shape[-1]
-            mass = draft.logits.float().log_softmax(-1).topk(candidates, dim=-1).values.logsumexp(-1)  # [N, S]
-            transition_logp = transition_logp + mass[..., None, None]
+    of the unary probability looks surer than it is. ``top_k_mass`` (default) ranks by each selector step
+    weighed by the unary mass its K candidates hold (``benchmarks/tree_shapes.py``, session 15: 0.01-0.07
+    more tokens per round at every tree size on both prompt sets). The nodes' ``logp`` stay the
+    selector's own path probabilities: the planner's calibration is fitted to them, and giving it the
+    weighed ones made it plan smaller trees that lost on MT-Bench (``ngram_hybrid_s15_mass_in_planner.md``)."""
+    if draft.pair_scores is None:
+        logp, top = draft.logits.float().log_softmax(-1).topk(min(TREE_TOP_K, draft.logits.shape[-1]), dim=-1)
+        ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
+        return best_first(ids, logp[:, :, None, :].expand(-1, -1, logp.shape[-1], -1), size)
+    transition_logp = draft.pair_scores.float().log_softmax(-1)
+    if not top_k_mass:
         return best_first(draft.q_ids, transition_logp, size)
-    logp, top = draft.logits.float().log_softmax(-1).topk(min(TREE_TOP_K, draft.logits.shape[-1]), dim=-1)
-    ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]
-    return best_first(ids, logp[:, :, None, :].expand(-1, -1, logp.shape[-1], -1), size)
+    mass = draft.logits.float().log_softmax(-1).topk(draft.q_ids.shape[-1], dim=-1).values.logsumexp(-1)  # [N, S]
+    nodes = best_first(draft.q_ids, transition_logp + mass[..., None, None], size)
+    # a node at depth d took one weighed step at each position up to d
+    weights = mass.cumsum(-1).gather(1, nodes.depth - 1)
+    return HeadNodes(nodes.tokens, nodes.depth, nodes.logp - weights, nodes.parent)
 
 
 def spelling(nodes: HeadNodes, sequence: torch.Tensor) -> torch.Tensor:
