@@ -11,7 +11,8 @@ verify(k + 1), every draft pass its measured time. The policy runs without a clo
 nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
 head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
 source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``);
-then the default with its tree nodes ranked without the top-K mass (session 15's change undone).
+then the default with its tree nodes ranked without the top-K mass (session 15's change undone), and the
+head's chain with its confidence times that mass (tried in session 15, not adopted).
 ``--variants`` picks some by number (1-based, in this order; the first picked is the reference text).
 Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/<output, default ngram_hybrid>.{json,md,png}.
@@ -34,7 +35,7 @@ from _common import RESULTS, chart_bars, save, table  # noqa: E402
 from hf_dflash2 import generation, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, load_or_measure_cost_model  # noqa: E402
-from hf_dflash2.draft_tree import rank_continuations  # noqa: E402
+from hf_dflash2.draft_tree import candidate_log_mass, rank_continuations  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
 
@@ -67,12 +68,12 @@ def main() -> None:
         parser.error(f"--output is a name under benchmarks/results/, not a path: {args.output!r}")
     names = list(VARIANTS)
     try:
-        picked = [names[int(i) - 1] for i in args.variants.split(",")] if args.variants else names
-        if args.variants and min(int(i) for i in args.variants.split(",")) < 1:
-            raise IndexError
-    except (ValueError, IndexError):
+        numbers = [int(i) for i in args.variants.split(",")] if args.variants else range(1, len(names) + 1)
+    except ValueError:
+        numbers = [0]
+    if not all(1 <= n <= len(names) for n in numbers):
         parser.error(f"--variants takes numbers 1..{len(names)}, got {args.variants!r}")
-    variants = {name: VARIANTS[name] for name in picked}
+    variants = {names[n - 1]: VARIANTS[names[n - 1]] for n in numbers}
     head_folder = args.head or default_head("smollm2-135m-dflash2")
 
     timing_target, _ = load_target_for_decoding(args.cost_dtype, None, None)
@@ -91,8 +92,7 @@ def main() -> None:
         draft_passes[0] += 1
         out = draft_block(*a, **k)
         if confidence_mass[0] and out.pair_scores is not None:
-            mass = out.logits.float().log_softmax(-1).topk(out.q_ids.shape[-1], dim=-1).values.logsumexp(-1).exp()
-            out.confidence = out.confidence * mass
+            out.confidence = out.confidence * candidate_log_mass(out).exp()
         return out
 
     head.draft_block = counted

@@ -123,7 +123,8 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
             path = [0] * unary.shape[0]
             transitions = None
         rounds_seen.append({"anchor_pos": anchor_pos, "path": path, "candidates": candidates.tolist(),
-                            "unary": top.values.tolist(), "transitions": transitions})
+                            "unary": top.values.tolist(), "mass": top.values.sum(-1).tolist(),
+                            "transitions": transitions})
 
     rows = []
     for name in ("mtbench", "humaneval"):
@@ -155,8 +156,7 @@ def shapes_of(head_name: str, head, target, tokenizer, prompts: int, new_tokens:
                     scores["selector best-first"].append(committed(markov, cands, truth))
                     # the selector's softmax is over the K candidates only: weigh each depth by the unary mass
                     # its K candidates hold, so that a depth the head is unsure of ranks lower
-                    mass = [sum(u) for u in r["unary"]]
-                    weighted = best_first(size, depth_count, lambda d, parent, t=trans, m=mass: [
+                    weighted = best_first(size, depth_count, lambda d, parent, t=trans, m=r["mass"]: [
                         p * m[d] for p in t[d][0 if parent is None else parent]])
                     scores["selector x top-K mass"].append(committed(weighted, cands, truth))
             best_kh = max(splits, key=lambda kh: sum(splits[kh]))

@@ -94,6 +94,12 @@ def best_first(candidate_ids: torch.Tensor, transition_logp: torch.Tensor, size:
                      parent_rank)
 
 
+def candidate_log_mass(draft) -> torch.Tensor:
+    """[N, S] log of the unary probability a dFlash 2 draft's K selector candidates hold at each position
+    (the selector's softmax is over them only)."""
+    return draft.logits.float().log_softmax(-1).topk(draft.q_ids.shape[-1], dim=-1).values.logsumexp(-1)
+
+
 def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> HeadNodes:
     """The head's ``size`` likeliest continuations from its ``DraftOutput``: by the selector's pair scores
     (dFlash 2) or, without them (DFlash-1), by each position's unary top ``TREE_TOP_K`` as independent.
@@ -111,7 +117,7 @@ def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> He
     transition_logp = draft.pair_scores.float().log_softmax(-1)
     if not top_k_mass:
         return best_first(draft.q_ids, transition_logp, size)
-    mass = draft.logits.float().log_softmax(-1).topk(draft.q_ids.shape[-1], dim=-1).values.logsumexp(-1)  # [N, S]
+    mass = candidate_log_mass(draft)
     nodes = best_first(draft.q_ids, transition_logp + mass[..., None, None], size)
     # a node at depth d took one weighed step at each position up to d
     weights = mass.cumsum(-1).gather(1, nodes.depth - 1)
