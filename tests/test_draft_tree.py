@@ -127,7 +127,7 @@ def test_accept_tree_equals_walking_each_path():
         m, kg = 1 + trial % 7, (trial // 7) % 5
         tree, chain, ngram = random_tree(generator, n, vocab, m, kg)
         logits = torch.randn(n, tree.width, vocab, generator=generator)
-        result = accept_tree(tree, logits)
+        result = accept_tree(tree, logits.argmax(-1))
         argmax = logits.argmax(-1)
         out_of_place = []
         for r in range(n):
@@ -220,7 +220,7 @@ def test_tree_round_leaves_the_caches_of_a_linear_verify_of_its_path():
     tree = build_tree(nodes, 4, follow[:, :3], ngram, 4)
     logits, features = verify(target, layer_ids, cache, context, torch.cat([anchor[:, None], tree.tokens], 1),
                               anchor_pos[:, None] + tree.depth, tree)
-    result = accept_tree(tree, logits)
+    result = accept_tree(tree, logits.argmax(-1))
     assert result.accepted.tolist() == [6, 3] and result.winner.tolist() == [1, 0]
     assert bool(path_out_of_place(result.order, result.accepted))  # row 0's path is not slots 0..6
     move_path_to_front(cache, result.order)
@@ -283,7 +283,7 @@ def test_forced_tree_rounds_keep_greedy_identity(plans, monkeypatch):
 
 
 def test_trees_only_where_they_are_exact():
-    """Sampling, ``draft_tree=False`` and a sliding-window target keep linear rounds; without n-gram drafts
+    """``draft_tree=False`` and a sliding-window target keep linear rounds; without n-gram drafts
     a tree holds the head's nodes alone; a DFlash-1 head (no selector) ranks its nodes by unary scores."""
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
@@ -298,7 +298,7 @@ def test_trees_only_where_they_are_exact():
     assert speculative_generate(target, drafter, prompt, ngram_size=0, **forced).stats.tree_rounds > 0
     sampled = speculative_generate(target, drafter, prompt, do_sample=True, generator=torch.Generator().manual_seed(0),
                                    **forced)
-    assert sampled.stats.tree_rounds == 0
+    assert sampled.stats.tree_rounds > 0  # sampling verifies trees too (its law: the tests below)
     gemma = tiny_target("gemma3", vocab_size=64)
     assert not supports_trees(gemma, DynamicCache(config=gemma.config))
     gemma_drafter = tiny_drafter(gemma, block_size=5)
@@ -358,3 +358,71 @@ def test_policy_counts_a_shared_prefix_once_and_hangs_the_ngram_below_it():
     spells = torch.tensor([[True, True, False, False, False]])
     m, kg = policy.choose_tree(logp, depth, torch.tensor([3]), spells).tolist()
     assert m == 4 and 6 <= kg <= 8, (m, kg)
+
+
+def _triple_distribution(target, prompt, temperature, top_k, top_p):
+    """Exact P(first, second, third generated token) of the target under the processors: [V, V, V]."""
+    from hf_dflash2.speculative_dflash2 import process_logits
+
+    def law(seqs):
+        return process_logits(target(seqs).logits[:, -1], temperature, top_k, top_p).softmax(-1)
+
+    with torch.no_grad():
+        vocab = target.config.vocab_size
+        p1 = law(prompt)[0]
+        one = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
+        p2 = law(one)  # [t1, t2]
+        two = torch.cat([one.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(vocab)[:, None]], dim=1)
+        p3 = law(two).view(vocab, vocab, vocab)  # [t1, t2, t3]
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _sampled_triples(target, drafter, prompt, runs, seed, plans):
+    counts = torch.zeros(*(3 * [target.config.vocab_size]))
+    generator, tree_rounds, accepted = torch.Generator().manual_seed(seed), 0, 0
+    for _ in range(runs // 5000):
+        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=3, do_sample=True,
+                                   temperature=1.3, top_k=8, top_p=0.95, generator=generator,
+                                   verify_policy=ForcedTrees(plans), block_size=8)
+        t = out.sequences[:, prompt.shape[1]:prompt.shape[1] + 3]
+        counts.index_put_((t[:, 0], t[:, 1], t[:, 2]), torch.ones(len(t)), accumulate=True)
+        tree_rounds, accepted = tree_rounds + out.stats.tree_rounds, accepted + out.stats.accepted
+    return counts / counts.sum(), tree_rounds, accepted
+
+
+def _marginal_tvs(empirical, exact):
+    """Total variation of the (first, second) and (second, third) token laws."""
+    return [float(0.5 * (empirical.sum(dim) - exact.sum(dim)).abs().sum()) for dim in (2, 0)]
+
+
+@pytest.mark.parametrize("plans", [[(3, 0)], [(2, 3), (0, 3), (4, 2), (1, 0)]])
+def test_sampled_tree_rounds_keep_the_targets_law(plans):
+    """20,000 sampled runs of three tokens through forced tree rounds (head nodes alone, and trees with the
+    n-gram chain; the prompt holds every token so n-grams match): the laws of tokens (1, 2) and (2, 3)
+    equal the target's, so draws at depth 1 and depth 2 of a tree are both exact. Bound as in
+    test_generation's lossless test (< 0.05 over ~30-60 effective cells at 20,000 runs)."""
+    target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
+    prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
+    exact = _triple_distribution(target, prompt, 1.3, 8, 0.95)
+    empirical, tree_rounds, accepted = _sampled_triples(target, drafter, prompt, 20_000, 11, plans)
+    assert tree_rounds > 0 and accepted > 0  # tokens 2 and 3 really came through trees' slots
+    assert max(_marginal_tvs(empirical, exact)) < 0.05, _marginal_tvs(empirical, exact)
+
+
+def test_the_tree_law_statistic_detects_one_race_for_every_depth(monkeypatch):
+    """Negative control: slots of all depths sharing one exponential race (instead of one per depth) make
+    the draws along a path dependent, and the (second, third) statistic above sees it."""
+
+    per_depth = generation._Sampler.pick_per_slot
+
+    def one_race(self, logits, depth):
+        return per_depth(self, logits, torch.zeros_like(depth))
+
+    monkeypatch.setattr(generation._Sampler, "pick_per_slot", one_race)
+    target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
+    prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
+    exact = _triple_distribution(target, prompt, 1.3, 8, 0.95)
+    empirical, _, _ = _sampled_triples(target, drafter, prompt, 20_000, 11, [(3, 0)])
+    assert _marginal_tvs(empirical, exact)[1] > 0.08, _marginal_tvs(empirical, exact)

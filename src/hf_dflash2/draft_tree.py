@@ -1,6 +1,6 @@
 """Draft trees: the head's likeliest continuations and an n-gram draft verified in one target forward.
 
-Greedy rounds of the fast loop only. The head proposes, at each of its S positions, K candidates with
+Rounds of the fast loop where the head drafted, greedy or sampling. The head proposes, at each of its S positions, K candidates with
 a probability for each given the previous position's candidate: dFlash 2's selector scores every pair
 (``P(b | a) = softmax_b S_t(a, b)``, a Markov chain over the candidates), DFlash-1's unary distribution
 ranks them independently. A round verifies the ``m`` continuations of highest path probability (best
@@ -20,8 +20,11 @@ read, which also says whether any row's path is out of place: when a row's path 
 0..a, nothing moves), so the caches look exactly as after a linear verify of that path and the rest of
 the loop (holes, crop) is unchanged.
 
-Sampling keeps linear rounds: lossless acceptance over several branches needs multi-draft rejection
-sampling, which greedy decoding does not.
+Sampling needs no multi-draft rejection step: every node is a fixed draft (the head drafts greedily in
+a tree round), so the target draws its own token after every slot and the round follows the draws down
+the tree (``accept_tree`` over the draws). Slots of one depth share one exponential race, so the tokens
+committed are drawn one by one from the target's law given the tokens before them, exactly as plain
+sampling would; a branch is accepted with the target's probability of its token.
 """
 
 from __future__ import annotations
@@ -244,24 +247,24 @@ class TreeAcceptance:
     winner: torch.Tensor
 
 
-def accept_tree(tree: DraftTree, logits: torch.Tensor) -> TreeAcceptance:
-    """Greedy acceptance over the tree: logits [N, W, V] of the verify forward."""
-    argmax = logits.argmax(-1)  # [N, W]
-    n, width = argmax.shape
-    rows = torch.arange(n, device=argmax.device)
-    match = torch.cat([argmax.new_ones(n, 1, dtype=torch.bool), tree.tokens == argmax.gather(1, tree.parent[:, 1:])],
+def accept_tree(tree: DraftTree, picks: torch.Tensor) -> TreeAcceptance:
+    """Acceptance over the tree: ``picks`` [N, W] the target's token after each slot (its argmax, or its
+    draw when sampling). A slot is accepted when every slot on its path is the pick of its parent."""
+    n, width = picks.shape
+    rows = torch.arange(n, device=picks.device)
+    match = torch.cat([picks.new_ones(n, 1, dtype=torch.bool), tree.tokens == picks.gather(1, tree.parent[:, 1:])],
                       dim=1)
     ok = ~(tree.ancestry & ~match[:, None, :]).any(-1)  # [N, W]: the whole path to the slot matches
     reached = ok * tree.depth
     best = reached.argmax(-1)  # the deepest accepted slot; ties go to lower slots (the likelier head nodes)
     on_path = tree.ancestry[rows, best]
-    by_depth = torch.arange(width, device=argmax.device)
+    by_depth = torch.arange(width, device=picks.device)
     order = (on_path[:, None, :] & (tree.depth[:, None, :] == by_depth[None, :, None])).int().argmax(-1)
     last = tree.width - 1 if tree.ngram_slots else tree.ngram_attach
-    last = torch.as_tensor(last, device=argmax.device).expand(n)
+    last = torch.as_tensor(last, device=picks.device).expand(n)
     return TreeAcceptance(
         accepted=tree.depth.gather(1, best[:, None]).squeeze(1),
-        tokens=argmax.gather(1, order),
+        tokens=picks.gather(1, order),
         order=order,
         node_accepted=ok[:, 1 : tree.head_nodes + 1],
         greedy_verified=tree.depth.gather(1, tree.greedy_slot[:, None]).squeeze(1),

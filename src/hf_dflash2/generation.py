@@ -50,6 +50,7 @@ from .speculative_dflash2 import (
     check_ngram_size,
     dense_proposal,
     last_position,
+    make_proposal,
     process_logits,
     propose,
     round_block_size,
@@ -119,6 +120,20 @@ class _Sampler:
             return logits.argmax(-1)
         probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
         return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+
+    def pick_per_slot(self, logits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """The target's token after every slot of a draft tree: logits [N, W, V], depth [N, W] -> [N, W].
+
+        Sampling runs one exponential race per row and depth (argmax of p / E, E ~ Exp(1)), shared by the
+        slots of that depth. The tree is fixed before the race, and the accepted path reads one slot per
+        depth, so each committed token is a fresh draw from the target's law given the tokens before it:
+        plain sampling, token by token. Sharing also makes identical branches agree."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        noise = noise.gather(1, depth[..., None].expand_as(probs))  # the race of each slot's depth
+        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
 
     def accept(self, draft_tokens: torch.Tensor, draft: Proposal | None, logits: torch.Tensor):
         """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
@@ -226,20 +241,24 @@ def observe_tree_round(policy: VerifyPolicy, draft: Proposal, tree: DraftTree, r
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
                        streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
-    """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``
-    (greedy only), a round where the head drafted may verify a tree: its likeliest continuations and
-    the n-gram's chain (``draft_tree``), as the policy plans."""
+    """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``, a
+    round where the head drafted may verify a tree: its likeliest continuations and the n-gram's chain
+    (``draft_tree``), as the policy plans. Tree nodes are fixed drafts (the head drafts greedily), so the
+    target's token at every slot is its argmax or, when sampling, a draw (``_Sampler.pick_per_slot``)."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
     path_order, path_moves = None, no  # last round's tree path, moved to the cache's front after the host read
     rank_nodes = (lambda out: rank_continuations(drafter, out, block_size - 1)) if trees else None
+    # with trees the head's q never meets the target (tree nodes and n-gram chains are fixed drafts)
+    draft_temperature = 0.0 if trees else sampler.draft_temperature
+    vocab = drafter.bound_target.lm_head_weight.shape[0]
     while True:
         history = length = None
         if ngram_size:
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
-                                      sampler.draft_temperature, sampler.generator, ngram_size, history, length,
+                                      draft_temperature, sampler.generator, ngram_size, history, length,
                                       rank_nodes)
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
@@ -280,10 +299,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             k_ngram = k_ngram if draft.ngram_tokens is not None else 0
             head_used = k > 0
             if k == 0:  # the n-gram's chain alone (a linear round), or a plain step
-                matched = draft.ngram_size > 0
                 if k_ngram:
-                    draft = Proposal(draft.ngram_tokens, matched[:, None].float().expand_as(draft.ngram_tokens),
-                                     torch.where(matched, draft.ngram_size, -1))
+                    draft = make_proposal(None, draft.ngram_tokens, draft.ngram_size, None, rows.anchor, vocab)
                 k = k_ngram
             else:
                 nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
@@ -308,7 +325,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 logits, features = verify(target, layer_ids, cache, context, ids,
                                           rows.anchor_pos[:, None] + tree.depth, tree)
             with record_function("dflash2::accept"):
-                result = accept_tree(tree, logits)
+                result = accept_tree(tree, sampler.pick_per_slot(logits, tree.depth))
                 # as if the path was verified alone: the features now, the cache after the next host read
                 features = gather_path(features, result.order)
                 path_order, path_moves = result.order, path_out_of_place(result.order, result.accepted)
@@ -367,9 +384,10 @@ def speculative_generate(
     when the policy expects that to be accepted further than the head's draft (``stats.ngram_rounds``).
     ``block_size`` (the anchor plus the most drafts a round verifies) defaults to the head's, widened to
     16 when n-gram drafts are on with the adaptive policy; the head always drafts within its own block.
-    ``draft_tree`` (greedy with the adaptive policy; not on sliding-window targets): a round may verify the
+    ``draft_tree`` (with the adaptive policy; not on sliding-window targets): a round may verify the
     head's likeliest continuations and the n-gram's chain as branches of one forward and keep
-    the path accepted furthest (``stats.tree_rounds``; ``draft_tree=False``: one chain per row).
+    the path accepted furthest (``stats.tree_rounds``; ``draft_tree=False``: one chain per row). When
+    sampling, the target draws its token at every slot and the path follows the draws (still lossless).
     """
     check_ngram_size(ngram_size)
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
@@ -406,7 +424,7 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
-    trees = draft_tree and not do_sample and policy.plans_trees and supports_trees(target, cache)
+    trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
     speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
                        ngram_size, trees)
     if streamer is not None:
