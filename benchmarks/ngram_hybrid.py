@@ -11,8 +11,10 @@ verify(k + 1), every draft pass its measured time. The policy runs without a clo
 nothing depends on timing noise. Variants: the head's chain alone (block 8, what engines verify), the
 head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
 source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``);
-then the default with its tree nodes ranked without the top-K mass (session 15's change undone), and the
-head's chain with its confidence times that mass (tried in session 15, not adopted).
+then the default with its tree nodes ranked without the top-K mass (session 15's change undone), the
+head's chain with its confidence times that mass (tried in session 15, not adopted), and ``make bench``'s
+prompt lookup (Transformers' ``generate(prompt_lookup_num_tokens=10)``, no head: each target call after the
+first costs a verify of its length, the first, like the loop's prefill, nothing).
 ``--variants`` picks some by number (1-based, in this order; the first picked is the reference text).
 Speedup = tokens x verify(1) / modelled time.
 Writes benchmarks/results/<output, default ngram_hybrid>.{json,md,png}.
@@ -52,7 +54,29 @@ VARIANTS = {
     # unary mass (ngram_hybrid_s15_mass_in_planner.md)
     "head alone, block 8, confidence x top-K mass": {"ngram_size": 0, "block_size": 8, "draft_tree": False,
                                                      "confidence_mass": True},
+    # make bench's prompt_lookup: Transformers' generate(prompt_lookup_num_tokens=10), no head
+    "prompt lookup (Transformers, 10 tokens)": {"prompt_lookup": 10, "block_size": 11},
 }
+
+
+def prompt_lookup_calls(target, ids, new_tokens, num_tokens):
+    """Transformers' prompt-lookup decoding -> (sequences, slots of each target call after the first).
+
+    The first call runs the prompt with any candidates found in it; like the fast loop's prefill, it is
+    not counted. Each later call verifies its last token and its candidates (``num_tokens`` at most)."""
+    lengths = []
+
+    def record(module, args, kwargs):
+        lengths.append(kwargs["input_ids"].shape[1])
+
+    hook = target.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                              prompt_lookup_num_tokens=num_tokens, do_sample=False, top_k=None, top_p=None,
+                              temperature=None)
+    finally:
+        hook.remove()
+    return out, lengths[1:]
 
 
 def main() -> None:
@@ -110,23 +134,31 @@ def main() -> None:
                 policy = AdaptiveVerifyPolicy(CostModel(verify[:block], cost.draft_seconds), clock=None)
                 draft_passes[0] = 0
                 confidence_mass[0] = settings.get("confidence_mass", False)
-                ranking = partial(rank_continuations, top_k_mass=settings.get("top_k_mass", True))
-                with mock.patch.object(generation, "rank_continuations", ranking):
-                    out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens,
-                                               verify_policy=policy, block_size=block,
-                                               ngram_size=settings["ngram_size"], draft_tree=settings["draft_tree"])
-                if label == next(iter(variants)):
-                    reference = out.sequences
-                elif not torch.equal(out.sequences, reference):
-                    raise AssertionError(f"{label}: fp32 output differs from the head-alone output on {name}")
-                histogram = out.stats.verify_length_histogram
                 total = totals[label]
-                total["tokens"] += int(out.num_generated.sum())
-                verifies = sum(c * verify[k] for k, c in enumerate(histogram))
-                total["seconds"] += verifies + draft_passes[0] * cost.draft_seconds
-                total["rounds"] += out.stats.rounds
-                total["ngram_rounds"] += out.stats.ngram_rounds
-                total["tree_rounds"] += out.stats.tree_rounds
+                if settings.get("prompt_lookup"):
+                    sequences, calls = prompt_lookup_calls(target, ids, args.new_tokens, settings["prompt_lookup"])
+                    total["tokens"] += sequences.shape[1] - ids.shape[1]
+                    total["seconds"] += sum(verify[slots - 1] for slots in calls)
+                    total["rounds"] += len(calls)
+                else:
+                    ranking = partial(rank_continuations, top_k_mass=settings.get("top_k_mass", True))
+                    with mock.patch.object(generation, "rank_continuations", ranking):
+                        out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens,
+                                                   verify_policy=policy, block_size=block,
+                                                   ngram_size=settings["ngram_size"],
+                                                   draft_tree=settings["draft_tree"])
+                    sequences = out.sequences
+                    histogram = out.stats.verify_length_histogram
+                    total["tokens"] += int(out.num_generated.sum())
+                    verifies = sum(c * verify[k] for k, c in enumerate(histogram))
+                    total["seconds"] += verifies + draft_passes[0] * cost.draft_seconds
+                    total["rounds"] += out.stats.rounds
+                    total["ngram_rounds"] += out.stats.ngram_rounds
+                    total["tree_rounds"] += out.stats.tree_rounds
+                if label == next(iter(variants)):
+                    reference = sequences
+                elif not torch.equal(sequences, reference):
+                    raise AssertionError(f"{label}: fp32 output differs from the first variant's output on {name}")
         for label, total in totals.items():
             rows.append({"set": name, "variant": label, "tau": round(total["tokens"] / total["rounds"], 3),
                          "modelled_speedup": round(total["tokens"] * verify[0] / total["seconds"], 3),
