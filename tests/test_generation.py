@@ -327,3 +327,22 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(tmp_path, dflas
     with pytest.raises(ValueError, match="draft vocabulary ids must lie in"):
         drafter.set_draft_vocab([3, 64])
 
+
+
+def test_top_p_from_the_top_tokens_equals_the_full_sort():
+    """``outside_nucleus`` finds the nucleus among the top NUCLEUS_SEARCH tokens and sorts the whole
+    vocabulary only for rows whose nucleus is wider: peaked rows (the fast path), flat rows (the
+    fallback) and rows after top-k, mixed in one [3, 8, V] tensor, give the full sort's mask."""
+    from hf_dflash2.speculative_dflash2 import NUCLEUS_SEARCH, _outside_nucleus_sorted, outside_nucleus
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 6000
+    logits = torch.randn(3, 8, vocab, generator=generator)
+    logits[0] *= 8  # peaked: nuclei of a few tokens
+    logits[1, :4] *= 0.1  # flat: nuclei of thousands
+    logits[2] = logits[2].masked_fill(logits[2] < logits[2].topk(40, -1).values[..., -1:], float("-inf"))
+    for top_p in (0.5, 0.9, 0.99):
+        fast, full = outside_nucleus(logits, top_p), _outside_nucleus_sorted(logits, top_p)
+        assert torch.equal(fast, full), top_p
+    kept = (~outside_nucleus(logits, 0.9)).sum(-1)
+    assert (kept[0] < NUCLEUS_SEARCH).all() and (kept[1, :4] > NUCLEUS_SEARCH).all() and (kept[2] <= 40).all()

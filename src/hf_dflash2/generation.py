@@ -124,16 +124,17 @@ class _Sampler:
     def pick_per_slot(self, logits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """The target's token after every slot of a draft tree: logits [N, W, V], depth [N, W] -> [N, W].
 
-        Sampling runs one exponential race per row and depth (argmax of p / E, E ~ Exp(1)), shared by the
-        slots of that depth. The tree is fixed before the race, and the accepted path reads one slot per
-        depth, so each committed token is a fresh draw from the target's law given the tokens before it:
-        plain sampling, token by token. Sharing also makes identical branches agree."""
+        Sampling inverts each slot's cumulative distribution at one uniform draw per row and depth, shared
+        by the slots of that depth. The tree is fixed before the draws, and the accepted path reads one slot
+        per depth, so each committed token is a fresh draw from the target's law given the tokens before
+        it: plain sampling, token by token. Sharing also makes identical branches agree. (One uniform per
+        slot, not V exponentials per slot: the latter cost more than a CPU forward.)"""
         if not self.do_sample:
             return logits.argmax(-1)
-        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        noise = noise.gather(1, depth[..., None].expand_as(probs))  # the race of each slot's depth
-        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(-1)
+        cumulative = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1).cumsum(-1)
+        uniform = torch.rand(depth.shape, generator=self.generator, device=depth.device).gather(1, depth)
+        at = (uniform * cumulative[..., -1])[..., None]  # the first token whose cumulative mass passes it
+        return torch.searchsorted(cumulative, at, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
 
     def accept(self, draft_tokens: torch.Tensor, draft: Proposal | None, logits: torch.Tensor):
         """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
