@@ -1,7 +1,7 @@
 """Draft trees: the head's likeliest continuations and an n-gram draft verified in one target forward.
 
-Rounds of the fast loop where the head drafted, greedy or sampling. The head proposes, at each of its S positions, K candidates with
-a probability for each given the previous position's candidate: dFlash 2's selector scores every pair
+Rounds of the fast loop where the head drafted, greedy or sampling. The head proposes, at each of its S
+positions, K candidates with a probability for each given the previous position's candidate: dFlash 2's selector scores every pair
 (``P(b | a) = softmax_b S_t(a, b)``, a Markov chain over the candidates), DFlash-1's unary distribution
 ranks them independently. A round verifies the ``m`` continuations of highest path probability (best
 first: a node's probability is its path's product, so the ``m`` likeliest nodes always include their
