@@ -5,10 +5,10 @@ positions, K candidates with a probability for each given the previous position'
 selector scores every pair (``P(b | a) = softmax_b S_t(a, b)``, a Markov chain over the candidates),
 DFlash-1's unary distribution ranks them independently. A round verifies the ``m`` continuations of
 highest path probability (best first: a node's probability is its path's product, so the ``m`` likeliest
-nodes always include their parents), and the n-gram draft as a chain hanging from the deepest head node that spells its first
-tokens. At equal size this beats the head's chain with runner-up first tokens by 5-10 % in tokens per
-round (``benchmarks/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16 (or a GPU) little
-more than verifying 8. The round keeps the path the target accepts furthest.
+nodes always include their parents), and the n-gram draft as a chain hanging from the deepest head node
+that spells its first tokens. At equal size this beats the head's chain with runner-up first tokens by
+5-10 % in tokens per round (``benchmarks/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16
+(or a GPU) little more than verifying 8. The round keeps the path the target accepts furthest.
 
 Slots, per row: 0 the anchor; 1..m the head's nodes in order of probability (so a parent comes before
 its children); m+1..m+kg the n-gram chain. Rows differ in shape, so depth, parent and ancestry are
