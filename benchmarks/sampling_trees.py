@@ -135,7 +135,8 @@ def main() -> None:
             text += table(rows, ["method", "tau", "tokens", "seconds", "tokens_per_s", "speedup_vs_sampling"])
             text += "\n\n"
     text += f"Command: `{command}`\n"
-    save(args.output, {"command": command, "dtype": dtype, "top_p": args.top_p, "load_average_at_start": os.getloadavg(),
+    save(args.output, {"command": command, "dtype": dtype, "top_p": args.top_p,
+                       "load_average_at_start": os.getloadavg(),
                        "results": {name: {str(t): rows for t, rows in by_t.items()} for name, by_t in results.items()}})
     (RESULTS / f"{args.output}.md").write_text(text)
     chart(results, RESULTS / f"{args.output}.png")
