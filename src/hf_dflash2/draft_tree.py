@@ -22,9 +22,10 @@ the loop (holes, crop) is unchanged.
 
 Sampling needs no multi-draft rejection step: every node is a fixed draft (the head drafts greedily in
 a tree round), so the target draws its own token after every slot and the round follows the draws down
-the tree (``accept_tree`` over the draws). Slots of one depth share one exponential race, so the tokens
-committed are drawn one by one from the target's law given the tokens before them, exactly as plain
-sampling would; a branch is accepted with the target's probability of its token.
+the tree (``accept_tree`` over the draws). Slots of one depth share one uniform draw (each slot inverts its
+own distribution at it), so the tokens committed are drawn one by one from the target's law given the
+tokens before them, exactly as plain sampling would; a branch is accepted with the target's probability
+of its token.
 """
 
 from __future__ import annotations
