@@ -410,16 +410,16 @@ def test_sampled_tree_rounds_keep_the_targets_law(plans):
     assert max(_marginal_tvs(empirical, exact)) < 0.05, _marginal_tvs(empirical, exact)
 
 
-def test_the_tree_law_statistic_detects_one_race_for_every_depth(monkeypatch):
-    """Negative control: slots of all depths sharing one exponential race (instead of one per depth) make
-    the draws along a path dependent, and the (second, third) statistic above sees it."""
+def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
+    """Negative control: slots of all depths sharing one uniform draw (instead of one per depth) make the
+    draws along a path dependent, and the (second, third) statistic above sees it."""
 
     per_depth = generation._Sampler.pick_per_slot
 
-    def one_race(self, logits, depth):
+    def one_draw(self, logits, depth):
         return per_depth(self, logits, torch.zeros_like(depth))
 
-    monkeypatch.setattr(generation._Sampler, "pick_per_slot", one_race)
+    monkeypatch.setattr(generation._Sampler, "pick_per_slot", one_draw)
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
