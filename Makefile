@@ -196,7 +196,7 @@ finetune-smollm2-s15: setup
 		--output benchmarks/results/heldout_tau_round15.json
 
 # Session 16: fourth turns (after the target's own first three answers; third turns of the conversations whose
-# second turn was long), appended to the store; then 4,200 steps from the committed head. Resumable.
+# second turn was long), appended to the store; then 3,000 steps from the committed head. Resumable.
 S16_FOLLOWUP_SOURCES = $(S15_FIRST_TURNS),data/regen_followups_s14.jsonl,data/regen_followups3_s15.jsonl
 finetune-smollm2-s16: setup
 	$(VENV)/bin/hf-dflash2 regenerate --prompts sharegpt-followups:$(S16_FOLLOWUP_SOURCES) \
@@ -204,7 +204,7 @@ finetune-smollm2-s16: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups4_s16.jsonl \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000
 	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 \
-		--output runs/finetune_s16 --steps 4200 $(FINETUNE_RECIPE) --stop-after-minutes 45 --resume
+		--output runs/finetune_s16 --steps 3000 $(FINETUNE_RECIPE) --stop-after-minutes 45 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_s16 runs/finetune_s16/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s16/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round16.json
