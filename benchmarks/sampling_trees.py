@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, save, table  # noqa: E402
@@ -51,7 +52,7 @@ def run_once(method, target, head, ids, n, temperature, top_p, seed):
 def measure(target, head, prompts, n, temperature, top_p, repeats):
     seconds, tokens = dict.fromkeys(METHODS, 0.0), dict.fromkeys(METHODS, 0)
     rounds, committed, tree_rounds = dict.fromkeys(METHODS, 0), dict.fromkeys(METHODS, 0), 0
-    for i, ids in enumerate(prompts):
+    for i, ids in enumerate(tqdm(prompts, desc=f"T={temperature}", unit="prompt")):
         for repeat in range(repeats):
             for method in rotated(list(METHODS), i * repeats + repeat):
                 s, t, stats = run_once(method, target, head, ids, n, temperature, top_p, seed=1000 * i + repeat)
