@@ -45,7 +45,8 @@ def run_once(method, target, head, ids, n, temperature, top_p, seed):
                               top_p=top_p)
         return time.perf_counter() - started, out.shape[1] - ids.shape[1], None
     out = speculative_generate(target, head, ids, max_new_tokens=n, do_sample=True, temperature=temperature,
-                               top_p=top_p, generator=torch.Generator().manual_seed(seed), draft_tree=method == "tree")
+                               top_p=top_p, generator=torch.Generator(device=ids.device).manual_seed(seed),
+                               draft_tree=method == "tree")
     return time.perf_counter() - started, int(out.num_generated[0]), out.stats
 
 
@@ -115,12 +116,12 @@ def main() -> None:
     target, tokenizer = load_target_for_decoding(args.dtype)
     head = load_head(default_head("smollm2-135m-dflash2"), target)
     sets = {"mtbench": load_mtbench_prompts()[: args.prompts], "humaneval": load_humaneval_prompts()[: args.prompts]}
-    warm = encode_prompt(tokenizer, sets["mtbench"][0])
+    warm = encode_prompt(tokenizer, sets["mtbench"][0], target.device)
     for method in METHODS:  # warm-up (and the cost model, measured once and cached)
         run_once(method, target, head, warm, 16, temperatures[0], args.top_p, 0)
     results = {}
     for name, texts in sets.items():
-        prompts = [encode_prompt(tokenizer, p) for p in texts]
+        prompts = [encode_prompt(tokenizer, p, target.device) for p in texts]
         results[name] = {t: measure(target, head, prompts, args.new_tokens, t, args.top_p, args.repeats)
                          for t in temperatures}
         for t in temperatures:

@@ -360,54 +360,57 @@ def test_policy_counts_a_shared_prefix_once_and_hangs_the_ngram_below_it():
     assert m == 4 and 6 <= kg <= 8, (m, kg)
 
 
-def _triple_distribution(target, prompt, temperature, top_k, top_p):
-    """Exact P(first, second, third generated token) of the target under the processors: [V, V, V]."""
+def _sequence_law(target, prompt, tokens, temperature, top_k, top_p):
+    """Exact P(first ... ``tokens``-th generated token) of the target under the processors: [V] * tokens."""
     from hf_dflash2.speculative_dflash2 import process_logits
 
-    def law(seqs):
-        return process_logits(target(seqs).logits[:, -1], temperature, top_k, top_p).softmax(-1)
-
+    vocab = target.config.vocab_size
     with torch.no_grad():
-        vocab = target.config.vocab_size
-        p1 = law(prompt)[0]
-        one = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = law(one)  # [t1, t2]
-        two = torch.cat([one.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(vocab)[:, None]], dim=1)
-        p3 = law(two).view(vocab, vocab, vocab)  # [t1, t2, t3]
-    return p1[:, None, None] * p2[:, :, None] * p3
+        law, prefixes = torch.ones(()), prompt
+        for step in range(tokens):
+            following = process_logits(target(prefixes).logits[:, -1], temperature, top_k, top_p).softmax(-1)
+            law = law[..., None] * following.view(*law.shape, vocab)
+            if step + 1 < tokens:  # every prefix of step + 1 tokens, in the law's order
+                prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                                      torch.arange(vocab).repeat(len(prefixes))[:, None]], dim=1)
+    return law
 
 
-def _sampled_triples(target, drafter, prompt, runs, seed, plans):
-    counts = torch.zeros(*(3 * [target.config.vocab_size]))
+def _sampled_sequences(target, drafter, prompt, runs, seed, plans, tokens=4):
+    counts = torch.zeros(*(tokens * [target.config.vocab_size]))
     generator, tree_rounds, accepted = torch.Generator().manual_seed(seed), 0, 0
     for _ in range(runs // 5000):
-        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=3, do_sample=True,
+        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=tokens, do_sample=True,
                                    temperature=1.3, top_k=8, top_p=0.95, generator=generator,
                                    verify_policy=ForcedTrees(plans), block_size=8)
-        t = out.sequences[:, prompt.shape[1]:prompt.shape[1] + 3]
-        counts.index_put_((t[:, 0], t[:, 1], t[:, 2]), torch.ones(len(t)), accumulate=True)
+        t = out.sequences[:, prompt.shape[1]:prompt.shape[1] + tokens]
+        counts.index_put_(tuple(t.T), torch.ones(len(t)), accumulate=True)
         tree_rounds, accepted = tree_rounds + out.stats.tree_rounds, accepted + out.stats.accepted
     return counts / counts.sum(), tree_rounds, accepted
 
 
-def _marginal_tvs(empirical, exact):
-    """Total variation of the (first, second) and (second, third) token laws."""
-    return [float(0.5 * (empirical.sum(dim) - exact.sum(dim)).abs().sum()) for dim in (2, 0)]
+def _pair_tvs(empirical, exact):
+    """Total variation of the laws of tokens (1, 2), (2, 3), (3, 4), ...: each pair's marginal."""
+    dims = range(empirical.dim())
+    return [float(0.5 * (empirical.sum([d for d in dims if d not in (i, i + 1)])
+                         - exact.sum([d for d in dims if d not in (i, i + 1)])).abs().sum())
+            for i in range(empirical.dim() - 1)]
 
 
 @pytest.mark.parametrize("plans", [[(3, 0)], [(2, 3), (0, 3), (4, 2), (1, 0)]])
 def test_sampled_tree_rounds_keep_the_targets_law(plans):
-    """20,000 sampled runs of three tokens through forced tree rounds (head nodes alone, and trees with the
-    n-gram chain; the prompt holds every token so n-grams match): the laws of tokens (1, 2) and (2, 3)
-    equal the target's, so draws at depth 1 and depth 2 of a tree are both exact. Bound as in
-    test_generation's lossless test (< 0.05 over ~30-60 effective cells at 20,000 runs)."""
+    """20,000 sampled runs of four tokens through forced tree rounds (head nodes alone, and trees with the
+    n-gram chain; the prompt holds every token so n-grams match): the laws of tokens (1, 2), (2, 3) and
+    (3, 4) equal the target's, so the draws at depths 0, 1 and 2 of a tree (tokens 2, 3, 4 after the
+    prefill's token 1) are exact. Bound as in test_generation's lossless test (< 0.05 over ~30-60 effective
+    cells at 20,000 runs)."""
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
-    exact = _triple_distribution(target, prompt, 1.3, 8, 0.95)
-    empirical, tree_rounds, accepted = _sampled_triples(target, drafter, prompt, 20_000, 11, plans)
-    assert tree_rounds > 0 and accepted > 0  # tokens 2 and 3 really came through trees' slots
-    assert max(_marginal_tvs(empirical, exact)) < 0.05, _marginal_tvs(empirical, exact)
+    exact = _sequence_law(target, prompt, 4, 1.3, 8, 0.95)
+    empirical, tree_rounds, accepted = _sampled_sequences(target, drafter, prompt, 20_000, 11, plans)
+    assert tree_rounds > 0 and accepted > 0  # tokens 2 to 4 really came through trees' slots
+    assert max(_pair_tvs(empirical, exact)) < 0.05, _pair_tvs(empirical, exact)
 
 
 def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
@@ -423,6 +426,6 @@ def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
-    exact = _triple_distribution(target, prompt, 1.3, 8, 0.95)
-    empirical, _, _ = _sampled_triples(target, drafter, prompt, 20_000, 11, [(3, 0)])
-    assert _marginal_tvs(empirical, exact)[1] > 0.08, _marginal_tvs(empirical, exact)
+    exact = _sequence_law(target, prompt, 4, 1.3, 8, 0.95)
+    empirical, _, _ = _sampled_sequences(target, drafter, prompt, 20_000, 11, [(3, 0)])
+    assert max(_pair_tvs(empirical, exact)[1:]) > 0.08, _pair_tvs(empirical, exact)

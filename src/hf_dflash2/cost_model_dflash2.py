@@ -53,7 +53,7 @@ On rounds the head does not draft (back-off, or n-gram drafts won the last round
 verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
 is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
 
-Draft trees (greedy rounds of the fast loop where the head drafted; ``draft_tree``): ``choose_tree``
+Draft trees (rounds of the fast loop where the head drafted, greedy or sampling; ``draft_tree``): ``choose_tree``
 plans ``(m, kg)``: verify the head's ``m`` likeliest continuations (nodes ranked by the path probability
 the head gives them) and ``kg`` tokens of the n-gram's chain. A node is accepted with its path
 probability times a calibration rate for its depth (row ``TREE_ROW``: accepted nodes over predicted, so

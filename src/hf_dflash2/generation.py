@@ -131,8 +131,10 @@ class _Sampler:
         slot, not V exponentials per slot: the latter cost more than a CPU forward.)"""
         if not self.do_sample:
             return logits.argmax(-1)
-        cumulative = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1).cumsum(-1)
-        uniform = torch.rand(depth.shape, generator=self.generator, device=depth.device).gather(1, depth)
+        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        cumulative = probs.double().cumsum(-1)  # float32 sums over a 49K vocabulary drop the smallest tokens
+        uniform = torch.rand(depth.shape, generator=self.generator, device=depth.device, dtype=torch.float64)
+        uniform = uniform.gather(1, depth)
         at = (uniform * cumulative[..., -1])[..., None]  # the first token whose cumulative mass passes it
         return torch.searchsorted(cumulative, at, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
 
@@ -373,7 +375,8 @@ def speculative_generate(
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
     input_ids / attention_mask: [N, P], left-padded for N > 1. Greedy by default; ``do_sample`` with
-    ``temperature`` / ``top_k`` / ``top_p`` uses lossless speculative sampling with the drafter's q.
+    ``temperature`` / ``top_k`` / ``top_p`` samples losslessly: linear rounds by speculative sampling with
+    the drafter's q, tree rounds by the target's own draw at every slot (``draft_tree``).
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per

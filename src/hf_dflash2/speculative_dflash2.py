@@ -195,8 +195,8 @@ class Proposal:
     without a head draft. When the head drafted, its draft also comes as it was before the per-row choice
     (head_tokens / head_confidence [N, S]), with the n-gram lookup (ngram_tokens [N, S], ngram_size [N])
     when there was one and the head's continuations ranked by path probability (node_tokens / node_depth /
-    node_logp / node_parent [N, M], ``draft_tree.HeadNodes``) when asked for, so that a greedy round may
-    verify them as a tree (``draft_tree``).
+    node_logp / node_parent [N, M], ``draft_tree.HeadNodes``) when asked for, so that a round may verify
+    them as a tree (``draft_tree``).
     """
 
     tokens: torch.Tensor
