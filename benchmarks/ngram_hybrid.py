@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, chart_bars, save, table  # noqa: E402
+from _common import GREEDY, RESULTS, chart_bars, save, table  # noqa: E402
 
 from hf_dflash2 import generation, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
@@ -72,8 +72,7 @@ def prompt_lookup_calls(target, ids, new_tokens, num_tokens):
     hook = target.register_forward_pre_hook(record, with_kwargs=True)
     try:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              prompt_lookup_num_tokens=num_tokens, do_sample=False, top_k=None, top_p=None,
-                              temperature=None)
+                              prompt_lookup_num_tokens=num_tokens, **GREEDY)
     finally:
         hook.remove()
     return out, lengths[1:]

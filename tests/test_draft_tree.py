@@ -28,6 +28,7 @@ from hf_dflash2.draft_tree import (
 from hf_dflash2.generation import prefill, verify
 
 from .conftest import tiny_drafter, tiny_target
+from .test_generation import _sequence_law
 from .test_ngram import _left_padded
 
 
@@ -360,22 +361,6 @@ def test_policy_counts_a_shared_prefix_once_and_hangs_the_ngram_below_it():
     assert m == 4 and 6 <= kg <= 8, (m, kg)
 
 
-def _sequence_law(target, prompt, tokens, temperature, top_k, top_p):
-    """Exact P(first ... ``tokens``-th generated token) of the target under the processors: [V] * tokens."""
-    from hf_dflash2.speculative_dflash2 import process_logits
-
-    vocab = target.config.vocab_size
-    with torch.no_grad():
-        law, prefixes = torch.ones(()), prompt
-        for step in range(tokens):
-            following = process_logits(target(prefixes).logits[:, -1], temperature, top_k, top_p).softmax(-1)
-            law = law[..., None] * following.view(*law.shape, vocab)
-            if step + 1 < tokens:  # every prefix of step + 1 tokens, in the law's order
-                prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
-                                      torch.arange(vocab).repeat(len(prefixes))[:, None]], dim=1)
-    return law
-
-
 def _sampled_sequences(target, drafter, prompt, runs, seed, plans, tokens=4):
     counts = torch.zeros(*(tokens * [target.config.vocab_size]))
     generator, tree_rounds, accepted = torch.Generator().manual_seed(seed), 0, 0
@@ -415,7 +400,7 @@ def test_sampled_tree_rounds_keep_the_targets_law(plans):
 
 def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
     """Negative control: slots of all depths sharing one uniform draw (instead of one per depth) make the
-    draws along a path dependent, and the (second, third) statistic above sees it."""
+    draws along a path dependent, and the statistics of tokens (2, 3) and (3, 4) above see it."""
 
     per_depth = generation._Sampler.pick_per_slot
 

@@ -196,16 +196,25 @@ def test_batch_rows_finish_at_their_own_eos(setup):
     assert int(out.num_generated[1]) <= 5
 
 
-def _pair_distribution(target, prompt, temperature, top_k, top_p):
-    """Exact P(first, second generated token) of the target under the processors."""
+def _sequence_law(target, prompt, tokens, temperature, top_k, top_p):
+    """Exact P(first ... ``tokens``-th generated token) of the target under the processors: [V] * tokens."""
     from hf_dflash2.speculative_dflash2 import process_logits
 
+    vocab = target.config.vocab_size
     with torch.no_grad():
-        p1 = process_logits(target(prompt).logits[0, -1], temperature, top_k, top_p).softmax(-1)
-        vocab = p1.shape[0]
-        seqs = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], dim=1)
-        p2 = process_logits(target(seqs).logits[:, -1], temperature, top_k, top_p).softmax(-1)
-    return p1[:, None] * p2
+        law, prefixes = torch.ones(()), prompt
+        for step in range(tokens):
+            following = process_logits(target(prefixes).logits[:, -1], temperature, top_k, top_p).softmax(-1)
+            law = law[..., None] * following.view(*law.shape, vocab)
+            if step + 1 < tokens:  # every prefix of step + 1 tokens, in the law's order
+                prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                                      torch.arange(vocab).repeat(len(prefixes))[:, None]], dim=1)
+    return law
+
+
+def _pair_distribution(target, prompt, temperature, top_k, top_p):
+    """Exact P(first, second generated token) of the target under the processors."""
+    return _sequence_law(target, prompt, 2, temperature, top_k, top_p)
 
 
 @pytest.mark.parametrize("dflash2", [True, False])
@@ -326,7 +335,6 @@ def test_draft_vocabulary_restricts_proposals_and_stays_lossless(tmp_path, dflas
     assert torch.equal(loaded.draft_vocab, allowed)
     with pytest.raises(ValueError, match="draft vocabulary ids must lie in"):
         drafter.set_draft_vocab([3, 64])
-
 
 
 def test_top_p_from_the_top_tokens_equals_the_full_sort():

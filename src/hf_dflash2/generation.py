@@ -114,12 +114,15 @@ class _Sampler:
         self.generator = generator
         self.draft_temperature = temperature if do_sample else 0.0
 
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> the target's sampling distribution under temperature / top-k / top-p."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N]"""
         if not self.do_sample:
             return logits.argmax(-1)
-        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
+        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
 
     def pick_per_slot(self, logits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """The target's token after every slot of a draft tree: logits [N, W, V], depth [N, W] -> [N, W].
@@ -128,11 +131,11 @@ class _Sampler:
         by the slots of that depth. The tree is fixed before the draws, and the accepted path reads one slot
         per depth, so each committed token is a fresh draw from the target's law given the tokens before
         it: plain sampling, token by token. Sharing also makes identical branches agree. (One uniform per
-        slot, not V exponentials per slot: the latter cost more than a CPU forward.)"""
+        depth, not V exponentials per slot: the latter cost more than a CPU forward.)"""
         if not self.do_sample:
             return logits.argmax(-1)
-        probs = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
-        cumulative = probs.double().cumsum(-1)  # float32 sums over a 49K vocabulary drop the smallest tokens
+        # float64: float32 sums over a 49K vocabulary drop the smallest tokens
+        cumulative = self.probs(logits).double().cumsum(-1)
         uniform = torch.rand(depth.shape, generator=self.generator, device=depth.device, dtype=torch.float64)
         uniform = uniform.gather(1, depth)
         at = (uniform * cumulative[..., -1])[..., None]  # the first token whose cumulative mass passes it
@@ -143,7 +146,7 @@ class _Sampler:
         if not self.do_sample:
             return accept_greedy(draft_tokens, logits)
         k = draft_tokens.shape[1]
-        p = process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        p = self.probs(logits)
         if k == 0:  # a plain step (there may be no draft at all)
             tokens = torch.multinomial(p[:, 0], 1, generator=self.generator)
             return tokens.new_zeros(tokens.shape[0]), tokens
