@@ -62,3 +62,27 @@ def test_real_model_batched_rows_equal_single(smollm2):
         alone = target.generate(r, max_new_tokens=16, do_sample=False, top_k=None, top_p=None, temperature=None)[0, r.shape[1]:]
         n = int(out.num_generated[i])
         assert torch.equal(out.sequences[i, width:width + n], alone[:n])
+
+
+def test_text_generation_pipeline_takes_the_committed_head_as_its_assistant(smollm2):
+    """``pipeline("text-generation", assistant_model=head)``: chat messages in, the same reply as the plain
+    pipeline out (fp32 greedy is exact), and the head did draft (its rounds are counted)."""
+    from pathlib import Path
+
+    from transformers import pipeline
+
+    from hf_dflash2.prompts import load_head
+
+    target, tokenizer = smollm2
+    folder = Path(__file__).resolve().parents[1] / "heads" / "smollm2-135m-dflash2"
+    if not folder.exists():
+        pytest.skip("no committed head in this checkout")
+    head = load_head(str(folder), target)
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    greedy = dict(max_new_tokens=24, do_sample=False, top_k=None, top_p=None, temperature=None)
+    head.last_speculative_stats = None
+    assisted = pipeline("text-generation", model=target, tokenizer=tokenizer, assistant_model=head)(messages, **greedy)
+    plain = pipeline("text-generation", model=target, tokenizer=tokenizer)(messages, **greedy)
+    assert assisted[0]["generated_text"][-1]["role"] == "assistant"
+    assert assisted[0]["generated_text"] == plain[0]["generated_text"]
+    assert head.last_speculative_stats is not None and head.last_speculative_stats.rounds > 0
