@@ -353,3 +353,35 @@ def test_after_a_draft_that_did_not_pay_measured_rounds_set_how_much_of_it_is_ch
     cheap.timed["step"].extend([1.0] * 8)
     cheap.timed["draft"].extend([0.25] * 8)
     assert int(cheap.choose(confidence)) == 2 and not bool(cheap._paid)  # extra tokens at 0.05 steps each
+
+
+def test_num_assistant_tokens_caps_the_drafts_of_a_generate_round():
+    """Transformers' ``num_assistant_tokens`` binds our generator too: forced to verify 4 drafts, rounds
+    verify at most 2 when the user asks for 2, stay exact, and a bad value is refused before any forward."""
+    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, dflash2=True, block_size=5)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(23))
+    expected = plain(target, ids, 30)
+    oracle = OracleDrafter(drafter, expected[:, 6:], torch.tensor([6]))
+    original = DFlash2CandidateGenerator.__init__
+
+    def patched(self, drafter_, *a, **k):
+        original(self, oracle, *a, **k)
+
+    drafter.verify_policy = ForcedVerifyLengths([4])
+    DFlash2CandidateGenerator.__init__ = patched
+    try:
+        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, num_assistant_tokens=2)
+        histogram = list(oracle.last_speculative_stats.verify_length_histogram)
+        with pytest.raises(ValueError, match="num_assistant_tokens must be an integer >= 0, got -1"):
+            target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, num_assistant_tokens=-1)
+        target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+        uncapped = list(oracle.last_speculative_stats.verify_length_histogram)
+    finally:
+        DFlash2CandidateGenerator.__init__ = original
+        del drafter.verify_policy
+    assert torch.equal(out, expected)
+    assert histogram[2] > 0 and sum(histogram[3:]) == 0, histogram
+    assert uncapped[4] > 0, uncapped  # without the setting the forced 4 drafts are verified

@@ -44,6 +44,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     ``ForcedVerifyLengths``) if set, else adaptive unless ``drafter.adaptive_verify`` is False; a cost
     model can be given as ``drafter.verify_cost_model``. Rows may draft by prompt lookup instead (as
     ``speculative_generate``'s ``ngram_size``): ``drafter.ngram_size`` (default 3, 0 turns it off).
+    Of Transformers' assisted-generation settings, ``num_assistant_tokens`` caps the drafts a round returns
+    (its default, 20, is wider than any block, so only a value set by the user binds);
+    ``num_assistant_tokens_schedule`` and ``assistant_confidence_threshold`` are left to the verify policy,
+    which already sets each round's length from the head's confidence and the measured costs.
     Statistics of the call are left on ``drafter.last_speculative_stats``.
     """
 
@@ -60,6 +64,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.block_size = round_block_size(drafter, self.ngram_size if widen else 0, None, generation_config.max_length,
                                            getattr(drafter, "verify_cost_model", None))
         self.max_length = generation_config.max_length
+        cap = getattr(generation_config, "num_assistant_tokens", None)
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"num_assistant_tokens must be an integer >= 0, got {cap!r}")
+        self.max_drafts = self.block_size - 1 if cap is None else min(cap, self.block_size - 1)
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
         self.logits_processor = logits_processor
@@ -108,7 +116,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             return input_ids, None
         k = int(self.policy.choose(draft.confidence, draft.source, head_drafted))
         self.policy.chosen(k, bool(draft.uses_head))
-        length = min(k, room)
+        length = min(k, room, self.max_drafts)
         if length == 0:
             return input_ids, None
         self.draft, self.verified_last = draft, length
