@@ -10,7 +10,7 @@ from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, Force
 from hf_dflash2.modeling_dflash2 import DraftOutput
 
 from .conftest import tiny_drafter, tiny_target
-from .test_generation import OracleDrafter, _pair_distribution, plain
+from .test_generation import OracleDrafter, _pair_distribution, generate_drafts_from, plain
 
 FORCED = [0, 4, 1, 0, 0, 2, 4, 1, 0]  # includes 0 (plain steps, several in a row) and B - 1 = 4; never 3
 
@@ -59,24 +59,16 @@ def test_forced_lengths_fast_loop_greedy_identity(dflash2, draft_when_zero, batc
 
 @pytest.mark.parametrize("dflash2", [True, False])
 def test_forced_lengths_generate_path_greedy_identity(dflash2):
-    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
-
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, dflash2=dflash2, block_size=5)
     ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(22))
     expected = plain(target, ids, 30)
     oracle = OracleDrafter(drafter, expected[:, 6:], torch.tensor([6]))
-    original = DFlash2CandidateGenerator.__init__
-
-    def patched(self, drafter_, *a, **k):
-        original(self, oracle, *a, **k)
-
     drafter.verify_policy = policy = ForcedVerifyLengths(FORCED)
-    DFlash2CandidateGenerator.__init__ = patched
     try:
-        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+        with generate_drafts_from(oracle):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
     finally:
-        DFlash2CandidateGenerator.__init__ = original
         del drafter.verify_policy
     assert torch.equal(out, expected)
     stats = oracle.last_speculative_stats
@@ -358,29 +350,22 @@ def test_after_a_draft_that_did_not_pay_measured_rounds_set_how_much_of_it_is_ch
 def test_num_assistant_tokens_caps_the_drafts_of_a_generate_round():
     """Transformers' ``num_assistant_tokens`` binds our generator too: forced to verify 4 drafts, rounds
     verify at most 2 when the user asks for 2, stay exact, and a bad value is refused before any forward."""
-    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
-
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, dflash2=True, block_size=5)
     ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(23))
     expected = plain(target, ids, 30)
     oracle = OracleDrafter(drafter, expected[:, 6:], torch.tensor([6]))
-    original = DFlash2CandidateGenerator.__init__
-
-    def patched(self, drafter_, *a, **k):
-        original(self, oracle, *a, **k)
-
     drafter.verify_policy = ForcedVerifyLengths([4])
-    DFlash2CandidateGenerator.__init__ = patched
+    greedy = dict(max_new_tokens=30, do_sample=False)
     try:
-        out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, num_assistant_tokens=2)
-        histogram = list(oracle.last_speculative_stats.verify_length_histogram)
-        with pytest.raises(ValueError, match="num_assistant_tokens must be an integer >= 0, got -1"):
-            target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False, num_assistant_tokens=-1)
-        target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
-        uncapped = list(oracle.last_speculative_stats.verify_length_histogram)
+        with generate_drafts_from(oracle):
+            out = target.generate(ids, assistant_model=drafter, num_assistant_tokens=2, **greedy)
+            histogram = list(oracle.last_speculative_stats.verify_length_histogram)
+            with pytest.raises(ValueError, match="num_assistant_tokens must be an integer >= 0, got -1"):
+                target.generate(ids, assistant_model=drafter, num_assistant_tokens=-1, **greedy)
+            target.generate(ids, assistant_model=drafter, **greedy)
+            uncapped = list(oracle.last_speculative_stats.verify_length_histogram)
     finally:
-        DFlash2CandidateGenerator.__init__ = original
         del drafter.verify_policy
     assert torch.equal(out, expected)
     assert histogram[2] > 0 and sum(histogram[3:]) == 0, histogram

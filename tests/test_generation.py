@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -37,6 +39,23 @@ class OracleDrafter:
         ids = tokens[..., None]
         confident = torch.full(tokens.shape, 0.9)  # the oracle knows it is mostly right
         return DraftOutput(tokens, ids, torch.ones_like(ids, dtype=torch.float32), out.logits, out.hidden, confident)
+
+
+@contextmanager
+def generate_drafts_from(oracle: OracleDrafter):
+    """Inside: ``generate(assistant_model=head)`` drafts with ``oracle`` (which wraps ``head``)."""
+    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
+
+    original = DFlash2CandidateGenerator.__init__
+
+    def patched(self, drafter, *args, **kwargs):
+        original(self, oracle, *args, **kwargs)
+
+    DFlash2CandidateGenerator.__init__ = patched
+    try:
+        yield oracle
+    finally:
+        DFlash2CandidateGenerator.__init__ = original
 
 
 @pytest.fixture(autouse=True)
@@ -86,21 +105,12 @@ def test_generate_path_with_oracle_and_stats(setup):
     target, drafter = setup
     ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(6))
     expected = plain(target, ids, 30)
-    oracle_model = drafter
-    from hf_dflash2.candidate_generator_dflash2 import DFlash2CandidateGenerator
-
-    original = DFlash2CandidateGenerator.__init__
     oracle = OracleDrafter(drafter, expected[:, 6:], torch.tensor([6]))
-
-    def patched(self, drafter, *a, **k):
-        original(self, oracle, *a, **k)
-
-    DFlash2CandidateGenerator.__init__ = patched
     drafter.adaptive_verify = False  # the fixed block: adaptive choices depend on measured timings
     try:
-        out = target.generate(ids, assistant_model=oracle_model, max_new_tokens=30, do_sample=False)
+        with generate_drafts_from(oracle):
+            out = target.generate(ids, assistant_model=drafter, max_new_tokens=30, do_sample=False)
     finally:
-        DFlash2CandidateGenerator.__init__ = original
         del drafter.adaptive_verify
     assert torch.equal(out, expected)
     assert oracle.calls > 0 and oracle.last_speculative_stats.acceptance_length > 1.5
