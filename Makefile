@@ -259,6 +259,8 @@ ablation-smollm2-s14: setup
 
 # Session 17: the session 14 pair continued to 4,800 steps each (the cosine schedule is re-read at the new
 # length, so both restart warm at half the peak rate), same data order and seed; then held-out tau of both.
+# Resumes in runs/ablation_s14 and replaces its 2,400-step checkpoints and exports (their held-out tau is
+# kept in benchmarks/results/ablation_round14.json).
 ABLATION17_ARGS = $(subst --steps 2400,--steps 4800,$(ABLATION14_ARGS))
 ablation-smollm2-s17: setup
 	$(VENV)/bin/hf-dflash2 train $(ABLATION17_ARGS) --output runs/ablation_s14/dflash2 & \

@@ -365,8 +365,13 @@ def test_num_assistant_tokens_caps_the_drafts_of_a_generate_round():
                 target.generate(ids, assistant_model=drafter, num_assistant_tokens=-1, **greedy)
             target.generate(ids, assistant_model=drafter, **greedy)
             uncapped = list(oracle.last_speculative_stats.verify_length_histogram)
+            calls = oracle.calls
+            none = target.generate(ids, assistant_model=drafter, num_assistant_tokens=0, **greedy)
+            plain_steps = list(oracle.last_speculative_stats.verify_length_histogram)
     finally:
         del drafter.verify_policy
     assert torch.equal(out, expected)
     assert histogram[2] > 0 and sum(histogram[3:]) == 0, histogram
     assert uncapped[4] > 0, uncapped  # without the setting the forced 4 drafts are verified
+    # 0: plain steps only, and the head is not even asked to draft
+    assert torch.equal(none, expected) and sum(plain_steps[1:]) == 0 < plain_steps[0] and oracle.calls == calls

@@ -10,6 +10,12 @@ from hf_dflash2.bench import card_results, markdown_table, median_run, summarize
 from .conftest import tiny_drafter, tiny_target
 
 
+@pytest.fixture(autouse=True)
+def _cost_cache(tmp_path_factory, monkeypatch):
+    """The adaptive runs here measure a cost model: keep it out of the user's cache."""
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path_factory.getbasetemp() / "cost_models"))
+
+
 def test_summary_speedup_tau_and_card_numbers():
     per_method = {
         "ar": {"tokens": [10, 20], "seconds": [1.0, 2.0]},  # 0.1 s/token
@@ -128,3 +134,21 @@ def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_th
     report = {"datasets": {"mtbench": summarize(per_method)}, "skipped": {}, "command": "hf-dflash2 bench",
               "settings": {"batch_size": 1, "temperature": 0.0, "max_new_tokens": 10}}
     assert "| 0/3 | - |" in markdown_table(report) and "| 3/3 | 1.00x |" in markdown_table(report)
+
+
+def test_each_prompt_compares_the_median_runs_texts():
+    """The median run counts for the text too, AR's as every method's; sampled runs compare nothing."""
+    from hf_dflash2.bench import add_prompt
+
+    a, b = [(1, 2)], [(1, 3)]
+    runs = {"ar": [(10, 9.0, b), (10, 1.0, b), (10, 2.0, a)],  # median by s/token: the third run, text a
+            "dflash2_fast": [(10, 0.5, b), (10, 0.6, a), (10, 0.9, b)],  # median: the second, text a
+            "prompt_lookup": [(10, 0.5, a), (10, 0.6, b), (10, 0.9, a)]}  # median: the second, text b
+    per_method = {m: {"tokens": [], "seconds": []} for m in runs}
+    add_prompt(per_method, runs, compare_texts=True)
+    assert per_method["ar"] == {"tokens": [10], "seconds": [2.0], "same_text": [True]}
+    assert per_method["dflash2_fast"]["same_text"] == [True] and per_method["dflash2_fast"]["seconds"] == [0.6]
+    assert per_method["prompt_lookup"]["same_text"] == [False]
+    sampled = {m: {"tokens": [], "seconds": []} for m in runs}
+    add_prompt(sampled, runs, compare_texts=False)
+    assert all("same_text" not in entry for entry in sampled.values())

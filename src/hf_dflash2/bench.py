@@ -17,7 +17,8 @@ Per method and prompt set: tau (mean tokens per target forward) and per-position
 (median over prompts), speedup over ``ar`` (ratio of medians of per-prompt wall time per token), the
 speedup on every single prompt (AR's time per token on that prompt over the method's; per batch when
 batch > 1) and the worst of them, and the spread of wall time per prompt. Greedy runs also report on how many
-prompts a method's text equals AR's, and the speedup over those prompts alone: in bf16 a verify and a plain
+prompts (batches when batch > 1) the text of a method's median run equals AR's, and the speedup over those
+prompts alone: in bf16 a verify and a plain
 step round differently, so texts may part at near-ties, and a method that wanders into a more repetitive text
 would look faster for it (fp32: every text equals AR's). Output: JSON + Markdown table + PNG chart in ``--output``.
 """
@@ -229,16 +230,22 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
                     if stats is not None:
                         per_method[method].setdefault("stats_list", []).append(stats.as_dict())
                     progress.update(1)
-            ar_texts = runs["ar"][0][2] if "ar" in runs and not runner.sample else None  # greedy AR: one text
-            for method, method_runs in runs.items():
-                generated, seconds, texts = median_run(method_runs)
-                per_method[method]["tokens"].append(generated)
-                per_method[method]["seconds"].append(seconds)
-                if ar_texts is not None:
-                    per_method[method].setdefault("same_text", []).append(texts == ar_texts)
+            add_prompt(per_method, runs, compare_texts=not runner.sample)
         report["datasets"][name] = summarize(per_method)
     progress.close()
     return report
+
+
+def add_prompt(per_method: dict, runs: dict[str, list[tuple]], compare_texts: bool) -> None:
+    """Each method's median run (tokens, seconds, texts) on one prompt (batch) joins ``per_method``; with
+    ``compare_texts`` (greedy) also whether its text equals that of AR's median run."""
+    ar_texts = median_run(runs["ar"])[2] if compare_texts and "ar" in runs else None
+    for method, method_runs in runs.items():
+        generated, seconds, texts = median_run(method_runs)
+        per_method[method]["tokens"].append(generated)
+        per_method[method]["seconds"].append(seconds)
+        if ar_texts is not None:
+            per_method[method].setdefault("same_text", []).append(texts == ar_texts)
 
 
 def median_run(runs: list[tuple]) -> tuple:

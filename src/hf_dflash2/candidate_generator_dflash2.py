@@ -44,8 +44,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     ``ForcedVerifyLengths``) if set, else adaptive unless ``drafter.adaptive_verify`` is False; a cost
     model can be given as ``drafter.verify_cost_model``. Rows may draft by prompt lookup instead (as
     ``speculative_generate``'s ``ngram_size``): ``drafter.ngram_size`` (default 3, 0 turns it off).
-    Of Transformers' assisted-generation settings, ``num_assistant_tokens`` caps the drafts a round returns
-    (its default, 20, is wider than any block, so only a value set by the user binds);
+    Of Transformers' assisted-generation settings, ``num_assistant_tokens`` of the ``generate`` call caps the
+    drafts a round returns (Transformers' own assisted loop reads it from the assistant's generation config,
+    which a head does not have; the default, 20, binds only blocks wider than 21, and no published head's is);
     ``num_assistant_tokens_schedule`` and ``assistant_confidence_threshold`` are left to the verify policy,
     which already sets each round's length from the head's confidence and the measured costs.
     Statistics of the call are left on ``drafter.last_speculative_stats``.
@@ -102,7 +103,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
         self.draft, self.verified_last = None, 0
         room = self.max_length - cur_len - 1
-        if room <= 0:
+        if room <= 0 or self.max_drafts == 0:
             return input_ids, None  # a plain step: the target verifies the anchor alone
         anchor = input_ids[:, -1].to(device)
         anchor_pos = torch.tensor([cur_len - 1], device=device)
@@ -114,9 +115,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             )
         if draft is None:
             return input_ids, None
-        k = int(self.policy.choose(draft.confidence, draft.source, head_drafted))
-        self.policy.chosen(k, bool(draft.uses_head))
-        length = min(k, room, self.max_drafts)
+        # Capped before the policy hears it: it times each round against the verify it was told of.
+        length = min(int(self.policy.choose(draft.confidence, draft.source, head_drafted)), room, self.max_drafts)
+        self.policy.chosen(length, bool(draft.uses_head))
         if length == 0:
             return input_ids, None
         self.draft, self.verified_last = draft, length
