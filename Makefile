@@ -238,22 +238,22 @@ ABLATION_ARGS = --store data/store_regen6000 --steps 1500 --warmup-steps 60 --ba
 	--label-source kl --layers 2 --block-size 8 --selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 \
 	--output-scale 0.1 --logit-ramp-steps 0 --eval-every 1500 --eval-prompts 8 --eval-max-new-tokens 64 \
 	--checkpoint-every 100 --log-every 50 --threads 1 --seed 0 --resume
+# The pair's recipe: $(1) training arguments, $(2) run folder (one subfolder per arm), $(3) held-out tau JSON.
+define ABLATION_PAIR
+	$(VENV)/bin/hf-dflash2 train $(1) --output $(2)/dflash2 & \
+	$(VENV)/bin/hf-dflash2 train $(1) --dflash1 --output $(2)/dflash1; wait
+	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export $(2)/$$arm $(2)/$$arm/export; done
+	$(PY) benchmarks/heldout_tau.py $(2)/dflash2/export $(2)/dflash1/export --prompts 16 \
+		--tokens 64 --output $(3)
+endef
 ablation-smollm2: setup
-	$(VENV)/bin/hf-dflash2 train $(ABLATION_ARGS) --output runs/ablation6000/dflash2 & \
-	$(VENV)/bin/hf-dflash2 train $(ABLATION_ARGS) --dflash1 --output runs/ablation6000/dflash1; wait
-	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation6000/$$arm runs/ablation6000/$$arm/export; done
-	$(PY) benchmarks/heldout_tau.py runs/ablation6000/dflash2/export runs/ablation6000/dflash1/export --prompts 16 \
-		--tokens 64 --output benchmarks/results/ablation_round7.json
+	$(call ABLATION_PAIR,$(ABLATION_ARGS),runs/ablation6000,benchmarks/results/ablation_round7.json)
 
 # Session 14: the same pair on the 1.70M-token store (store_s10), 2,400 steps each; then held-out tau of both
 # (linear rounds) and tree_shapes for both (dFlash 2 ranks trees by its selector, DFlash-1 by unary scores).
 ABLATION14_ARGS = $(subst --eval-every 1500,--eval-every 100000,$(subst data/store_regen6000,data/store_s10,$(subst --steps 1500,--steps 2400,$(ABLATION_ARGS))))
 ablation-smollm2-s14: setup
-	$(VENV)/bin/hf-dflash2 train $(ABLATION14_ARGS) --output runs/ablation_s14/dflash2 & \
-	$(VENV)/bin/hf-dflash2 train $(ABLATION14_ARGS) --dflash1 --output runs/ablation_s14/dflash1; wait
-	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation_s14/$$arm runs/ablation_s14/$$arm/export; done
-	$(PY) benchmarks/heldout_tau.py runs/ablation_s14/dflash2/export runs/ablation_s14/dflash1/export --prompts 16 \
-		--tokens 64 --output benchmarks/results/ablation_round14.json
+	$(call ABLATION_PAIR,$(ABLATION14_ARGS),runs/ablation_s14,benchmarks/results/ablation_round14.json)
 	$(PY) benchmarks/tree_shapes.py --heads runs/ablation_s14/dflash2/export,runs/ablation_s14/dflash1/export \
 		--output ablation_trees_round14
 
@@ -263,11 +263,7 @@ ablation-smollm2-s14: setup
 # kept in benchmarks/results/ablation_round14.json).
 ABLATION17_ARGS = $(subst --steps 2400,--steps 4800,$(ABLATION14_ARGS))
 ablation-smollm2-s17: setup
-	$(VENV)/bin/hf-dflash2 train $(ABLATION17_ARGS) --output runs/ablation_s14/dflash2 & \
-	$(VENV)/bin/hf-dflash2 train $(ABLATION17_ARGS) --dflash1 --output runs/ablation_s14/dflash1; wait
-	for arm in dflash2 dflash1; do $(PY) -m hf_dflash2.training.export runs/ablation_s14/$$arm runs/ablation_s14/$$arm/export; done
-	$(PY) benchmarks/heldout_tau.py runs/ablation_s14/dflash2/export runs/ablation_s14/dflash1/export --prompts 16 \
-		--tokens 64 --output benchmarks/results/ablation_round17.json
+	$(call ABLATION_PAIR,$(ABLATION17_ARGS),runs/ablation_s14,benchmarks/results/ablation_round17.json)
 
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
