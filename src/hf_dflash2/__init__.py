@@ -2,6 +2,7 @@
 
 from .configuration_dflash2 import DFlash2Config
 from .generation import SpeculativeOutput, speculative_generate
+from .linear_kernels import use_linear_kernel
 from .modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from .candidate_generator_dflash2 import DFlash2CandidateGenerator
 from .speculative_dflash2 import SpeculativeStats
@@ -16,4 +17,5 @@ __all__ = [
     "SpeculativeOutput",
     "SpeculativeStats",
     "speculative_generate",
+    "use_linear_kernel",
 ]

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
+from .linear_kernels import linear_kernel_of
 from .prompts import (
     apply_chat_template_option,
     check_head_matches_target,
@@ -190,7 +191,8 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
     from .precision import load_target_for_decoding
 
-    target, tokenizer = load_target_for_decoding(args.mixed_precision, args.target, args.gguf_file)
+    target, tokenizer = load_target_for_decoding(args.mixed_precision, args.target, args.gguf_file,
+                                                 args.linear_kernel)
     apply_chat_template_option(tokenizer, args.chat_template)
     for folder in heads_paths.values():
         check_head_matches_target(folder, target)
@@ -200,7 +202,8 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         "command": command_line,
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(target.device),
-                    "dtype": str(target.dtype).removeprefix("torch.")},  # what `auto` chose, both sides
+                    "dtype": str(target.dtype).removeprefix("torch."),  # what `auto` chose, every method
+                    "linear_kernel": linear_kernel_of(target)},
         "settings": {k: getattr(args, k) for k in ("sets", "limit", "max_new_tokens", "temperature", "top_k", "top_p",
                                                    "batch_size", "methods", "chat_template", "repeats")},
         "heads": heads_paths,
@@ -347,6 +350,11 @@ def markdown_table(report: dict) -> str:
         lines.append("")
     if report["skipped"]:
         lines.append("Skipped: " + "; ".join(f"`{m}`: {why}" for m, why in report["skipped"].items()))
+    machine = report.get("machine", {})
+    if "dtype" in machine:
+        lines.append(f"\nEvery method in {machine['dtype']}, linear layers on the "
+                     f"{machine.get('linear_kernel', 'default')} kernel ({machine.get('processor') or 'CPU'}, "
+                     f"{machine.get('threads')} threads).")
     lines.append(f"\nCommand: `{report['command']}`")
     return "\n".join(lines) + "\n"
 
@@ -402,10 +410,12 @@ def print_cost_profile(settings: BenchSettings) -> int:
     from .cost_model_dflash2 import load_or_measure_cost_model
     from .precision import load_target_for_decoding
 
-    target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file)
+    target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
+                                         settings.linear_kernel)
     head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
     model = load_or_measure_cost_model(target, head, settings.batch_size)
-    print(f"cost model ({model.key['device']}, {model.key['dtype']}, batch {settings.batch_size}):\n{model.table()}")
+    print(f"cost model ({model.key['device']}, {model.key['dtype']}, {model.key['linear_kernel']} linears, "
+          f"batch {settings.batch_size}):\n{model.table()}")
     return 0
 
 

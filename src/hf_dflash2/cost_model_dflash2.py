@@ -128,6 +128,15 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
+def linear_kernel_of(model) -> str:
+    """The kernel ``model``'s linear layers run on: "onednn" when some layer's forward was packed by
+    ``hf_dflash2.linear_kernels`` (it marks its forwards with ``kernel``), else "default"."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and getattr(module.__dict__.get("forward"), "kernel", None):
+            return module.__dict__["forward"].kernel
+    return "default"
+
+
 def _config_hash(config) -> str:
     return hashlib.sha256(config.to_json_string(use_diff=False).encode()).hexdigest()[:16]
 
@@ -146,6 +155,7 @@ def cost_key(target, drafter, batch_size: int, block_size: int, context_length: 
         "target_config": _config_hash(target.config),
         "drafter_config": _config_hash(drafter.config),
         "draft_vocab": None if vocab is None else int(vocab.numel()),
+        "linear_kernel": f"{linear_kernel_of(target)}/{linear_kernel_of(drafter)}",
         "batch_size": int(batch_size),
         "block_size": int(block_size),
         "context_length": int(context_length),
@@ -279,7 +289,8 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
     vocab = drafter.draft_vocab
     # Per-call fast path (hashing configs costs milliseconds): the same objects, dtype, device and shape.
     quick = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
-             block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()))
+             block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()),
+             linear_kernel_of(target), linear_kernel_of(drafter))
     remembered = None if refresh else _recall(_MEMORY, quick, target, drafter)
     if remembered is not None:
         return remembered

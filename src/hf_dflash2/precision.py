@@ -189,13 +189,20 @@ def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=N
     ]
 
 
-def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None):
-    """Demo and bench: the target (and tokenizer) in the dtype ``choice`` resolves to for batch-1 decoding.
-    ``auto`` loads in fp32, probes with the loaded model's own shapes, and casts to bf16 if that wins."""
+def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None, linear_kernel: str = "auto"):
+    """Demo and bench: the target (and tokenizer) in the dtype ``choice`` resolves to for batch-1 decoding,
+    its linear layers on ``linear_kernel`` (``hf_dflash2.linear_kernels``; heads loaded with
+    ``prompts.load_head`` follow the target's). ``auto`` loads in fp32, probes with the loaded model's own
+    shapes, and casts to bf16 if that wins."""
     from .assets import load_target
+    from .linear_kernels import check_linear_kernel, use_linear_kernel
 
+    check_linear_kernel(linear_kernel)
     if choice != "auto":
-        return load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
-    target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
-    dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config)
-    return target.to(dtype), tokenizer
+        target, tokenizer = load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
+    else:
+        target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
+        dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config)
+        target = target.to(dtype)
+    use_linear_kernel(target, linear_kernel)
+    return target, tokenizer

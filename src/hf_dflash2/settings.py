@@ -44,6 +44,16 @@ PRECISION_HELP_DECODE = ("auto: bf16 where a bf16 linear layer at 1 and at 8 row
                          "clearly faster than fp32 here, else fp32; or bf16 / fp32")
 
 
+LINEAR_KERNEL_HELP = ("auto: oneDNN with packed weights where it is clearly faster than PyTorch's default over "
+                      "this model's linear layers at 1 and 16 rows, else the default; or onednn / default")
+
+
+def validate_linear_kernel(value: str) -> None:
+    from .linear_kernels import check_linear_kernel
+
+    check_linear_kernel(value)
+
+
 def validate_precision(value: str) -> None:
     from .precision import PRECISION_CHOICES
 
@@ -65,6 +75,7 @@ class BenchSettings(SamplingSettings):
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto",
                                  metadata={"help": PRECISION_HELP_DECODE + " (every method, same dtype)"})
+    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP + " (every method, same kernel)"})
     seed: int = 0
     repeats: int = field(default=1, metadata={
         "help": "runs of every method on every prompt, interleaved; per prompt the median run (by s/token) counts"})
@@ -73,6 +84,7 @@ class BenchSettings(SamplingSettings):
     def __post_init__(self):
         super().__post_init__()
         validate_precision(self.mixed_precision)
+        validate_linear_kernel(self.linear_kernel)
         for name in ("limit", "max_new_tokens", "batch_size", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -87,11 +99,13 @@ class DemoSettings(SamplingSettings):
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP_DECODE + " (both runs, same dtype)"})
+    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP + " (both runs, same kernel)"})
     repeats: int = field(default=3, metadata={"help": "timed runs of each side, interleaved; the median run counts"})
 
     def __post_init__(self):
         super().__post_init__()
         validate_precision(self.mixed_precision)
+        validate_linear_kernel(self.linear_kernel)
         for name in ("max_new_tokens", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

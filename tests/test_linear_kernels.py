@@ -1,0 +1,141 @@
+"""CPU linear kernels: oneDNN with packed weights, its fallbacks, `auto`, and the cost-model key."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_dflash2 import cost_model_dflash2 as cm
+from hf_dflash2 import linear_kernels as lk
+from hf_dflash2 import speculative_generate
+from hf_dflash2.settings import BenchSettings, DemoSettings
+
+from .conftest import tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.skipif(not lk._onednn_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "cache"))
+
+
+def _packed_forwards(model) -> int:
+    return sum(isinstance(m.__dict__.get("forward"), lk.PackedLinearForward) for m in model.modules())
+
+
+def test_packed_model_matches_the_default_and_stays_lossless():
+    target = tiny_target(vocab_size=96, layers=3)
+    drafter = tiny_drafter(target, block_size=4)
+    ids = torch.randint(2, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = target(ids).logits
+        expected = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    state = {k: v.clone() for k, v in target.state_dict().items()}
+    linears = sum(isinstance(m, torch.nn.Linear) for m in target.modules())
+
+    assert lk.use_linear_kernel(target, "onednn") == "onednn" and lk.use_linear_kernel(drafter, "onednn") == "onednn"
+    assert _packed_forwards(target) == linears and cm.linear_kernel_of(target) == "onednn"
+    with torch.no_grad():
+        packed = target(ids).logits
+        sped = speculative_generate(target, drafter, ids, max_new_tokens=20)
+        plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    torch.testing.assert_close(packed, reference, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sped.sequences, plain) and torch.equal(plain, expected)
+    # parameters and what save_pretrained writes are untouched
+    assert target.state_dict().keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in target.state_dict().items())
+
+    assert lk.use_linear_kernel(target, "default") == "default"
+    assert _packed_forwards(target) == 0 and cm.linear_kernel_of(target) == "default"
+
+
+def test_a_packed_layer_falls_back_whenever_the_packed_copy_could_be_wrong():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    lk.pack_linears(layer)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+        layer.weight.mul_(-2.0)  # written in place after packing: the packed copy is stale
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+    layer.weight.requires_grad_(True)
+    layer(x).sum().backward()  # gradients wanted: the autograd path
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    lk.pack_linears(layer)
+    layer.double()  # moved to another dtype: the fp32 pack no longer applies
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x.double()), F.linear(x.double(), layer.weight, layer.bias))
+
+
+def test_packing_leaves_someone_elses_forward_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    hooked = model[0]
+    original = hooked.forward
+    hooked.forward = lambda x: original(x) * 0  # e.g. accelerate's offload hook
+    assert lk.pack_linears(model) == 1
+    assert not isinstance(hooked.__dict__["forward"], lk.PackedLinearForward)
+    assert torch.equal(model[0](torch.ones(1, 4)), torch.zeros(1, 4))
+
+
+def test_auto_packs_only_when_the_probe_says_onednn_is_clearly_faster(caplog):
+    target = tiny_target(layers=2)
+    with caplog.at_level(logging.INFO, logger="hf_dflash2.linear_kernels"):
+        assert lk.use_linear_kernel(target, "auto", probe=lambda model: 1.5) == "onednn"
+    assert _packed_forwards(target) > 0 and "oneDNN 1.50x" in caplog.text
+    assert lk.use_linear_kernel(target, "auto", probe=lambda model: 1.05) == "default"  # within noise: unpacked
+    assert _packed_forwards(target) == 0
+    with pytest.raises(ValueError, match="'fast'"):
+        lk.use_linear_kernel(target, "fast")
+    for settings in (BenchSettings, DemoSettings):
+        with pytest.raises(ValueError, match="linear_kernel must be one of .* got 'mkl'"):
+            settings(linear_kernel="mkl")
+
+
+def test_the_probe_is_cached_per_machine_and_a_bad_cache_is_ignored(monkeypatch, caplog):
+    target = tiny_target(layers=2)
+    calls = []
+    monkeypatch.setattr(lk, "time_onednn_speedup", lambda model: calls.append(1) or 1.7)
+    assert lk.onednn_speedup(target) == 1.7 and lk.onednn_speedup(target) == 1.7 and len(calls) == 1
+    path = cm.cost_cache_dir() / "linear_kernel.json"
+    assert list(json.loads(path.read_text()).values()) == [{"speedup": 1.7}]
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="hf_dflash2.linear_kernels"):
+        assert lk.onednn_speedup(target) == 1.7
+    assert len(calls) == 2 and "ignoring unreadable linear-kernel cache" in caplog.text
+    assert json.loads(path.read_text())  # rewritten whole
+
+
+def test_the_real_probe_times_both_kernels_and_leaves_the_model_unpacked():
+    target = tiny_target(layers=2)
+    speedup = lk.time_onednn_speedup(target, repeats=1)
+    assert speedup > 0 and _packed_forwards(target) == 0
+
+
+def test_cost_models_are_kept_apart_per_kernel():
+    target = tiny_target(vocab_size=64, layers=2)
+    drafter = tiny_drafter(target, block_size=4)
+    before = cm.cost_key(target, drafter, 1, 4, 32)
+    lk.use_linear_kernel(target, "onednn")
+    lk.use_linear_kernel(drafter, "onednn")
+    after = cm.cost_key(target, drafter, 1, 4, 32)
+    assert before["linear_kernel"] == "default/default" and after["linear_kernel"] == "onednn/onednn"
+    measured = cm.load_or_measure_cost_model(target, drafter, 1, 4, context_length=32)
+    assert measured.key["linear_kernel"] == "onednn/onednn"
+    lk.use_linear_kernel(target, "default")
+    lk.use_linear_kernel(drafter, "default")
+    assert cm.load_or_measure_cost_model(target, drafter, 1, 4, context_length=32) is not measured
+
+
+def test_a_head_loaded_for_a_packed_target_follows_its_kernel(tmp_path):
+    from hf_dflash2.prompts import load_head
+
+    target = tiny_target(vocab_size=64, layers=2)
+    tiny_drafter(target, block_size=4).save_pretrained(tmp_path / "head")
+    assert cm.linear_kernel_of(load_head(tmp_path / "head", target)) == "default"
+    lk.use_linear_kernel(target, "onednn")
+    assert cm.linear_kernel_of(load_head(tmp_path / "head", target)) == "onednn"
