@@ -139,3 +139,17 @@ def test_a_head_loaded_for_a_packed_target_follows_its_kernel(tmp_path):
     assert cm.linear_kernel_of(load_head(tmp_path / "head", target)) == "default"
     lk.use_linear_kernel(target, "onednn")
     assert cm.linear_kernel_of(load_head(tmp_path / "head", target)) == "onednn"
+
+
+def test_a_cpu_that_cannot_pack_keeps_the_default_kernel(monkeypatch):
+    """bf16 packing needs AVX-512 or AVX-NE-CONVERT: `auto` then stays on the default, `onednn` says why."""
+    def refuse(self, module, rows_hint=16):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert")
+
+    monkeypatch.setattr(lk.PackedLinearForward, "__init__", refuse)
+    target = tiny_target(layers=2)
+    assert lk.time_onednn_speedup(target) == 0.0
+    assert lk.use_linear_kernel(target, "auto") == "default" and _packed_forwards(target) == 0
+    with pytest.raises(ValueError, match="cannot pack torch.float32 linear weights on this CPU"):
+        lk.use_linear_kernel(target, "onednn")
+    assert _packed_forwards(target) == 0

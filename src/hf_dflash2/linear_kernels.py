@@ -88,7 +88,11 @@ def pack_linears(model: torch.nn.Module) -> int:
         if current is not None and not isinstance(current, PackedLinearForward):
             continue  # someone else's forward (e.g. accelerate's offload hooks): leave it alone
         if module.weight.device.type == "cpu" and module.weight.dtype in _PACKABLE_DTYPES:
-            module.forward = PackedLinearForward(module)
+            try:
+                module.forward = PackedLinearForward(module)
+            except RuntimeError as error:  # e.g. bf16 packing needs AVX-512 or AVX-NE-CONVERT
+                unpack_linears(model)
+                raise RuntimeError(f"oneDNN cannot pack {module.weight.dtype} linear weights on this CPU: {error}")
             packed += 1
     return packed
 
@@ -121,6 +125,12 @@ def time_onednn_speedup(model: torch.nn.Module, rows: tuple[int, ...] = PROBE_RO
     linears = [m for m in _linears(model) if m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
     if not linears:
         return 1.0
+    try:
+        pack_linears(model)
+    except RuntimeError as error:
+        logger.info("linear kernel probe: %s", error)
+        return 0.0  # cannot pack here: never chosen
+    unpack_linears(model)
     totals = {"default": [], "onednn": []}
     for _ in range(repeats):
         for kernel in ("default", "onednn"):
@@ -153,7 +163,7 @@ def onednn_speedup(model: torch.nn.Module, use_cache: bool = True) -> float:
             logger.warning("ignoring unreadable linear-kernel cache %s (%s)", path, error)
             cache = {}
         entry = cache.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)) and entry["speedup"] > 0:
+        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)) and entry["speedup"] >= 0:
             return float(entry["speedup"])
     speedup = time_onednn_speedup(model)
     if use_cache:
@@ -190,7 +200,10 @@ def use_linear_kernel(model: torch.nn.Module, kernel: str = "auto",
     if kernel == "onednn":
         if not on_cpu:
             raise ValueError(f"linear_kernel='onednn' needs a CPU model, got one on {parameter and parameter.device}")
-        pack_linears(model)
+        try:
+            pack_linears(model)
+        except RuntimeError as error:
+            raise ValueError(f"linear_kernel='onednn': {error}") from None
         return "onednn"
     if not on_cpu or not _onednn_available():
         return "default"
