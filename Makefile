@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/hf-dflash2 demo $(PROMPT)
 
-# Everything (about 12 minutes on 2 cores), lint first.
+# Everything (5-17 minutes on 2 cores, by CPU kind), lint first.
 test: setup lint
 	$(PY) -m pytest -q --durations=15 tests
 
