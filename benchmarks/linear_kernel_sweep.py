@@ -38,6 +38,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     context = torch.randint(0, 40000, (1, 200), generator=generator)
     samples = {(kernel, k): [] for kernel in KERNELS for k in WIDTHS}
+    layer = torch.nn.Linear(576, 1536, bias=False).to(dtype)
+    layer_switch = KernelSwitch(layer)
     with torch.inference_mode():
         cache = target(context, use_cache=True).past_key_values
         probe = torch.randint(0, 40000, (1, 16), generator=generator)
@@ -56,8 +58,6 @@ def main() -> None:
                     if repeat:
                         samples[kernel, k].append(time.perf_counter() - started)
                     cache.crop(-k)
-        layer = torch.nn.Linear(576, 1536, bias=False).to(dtype)
-        layer_switch = KernelSwitch(layer)
         layer_times = {}
         for rows in (1, 2):
             x = torch.randn(rows, 576, dtype=dtype)

@@ -153,3 +153,11 @@ def test_a_cpu_that_cannot_pack_keeps_the_default_kernel(monkeypatch):
     with pytest.raises(ValueError, match="cannot pack torch.float32 linear weights on this CPU"):
         lk.use_linear_kernel(target, "onednn")
     assert _packed_forwards(target) == 0
+
+
+def test_a_model_built_under_inference_mode_packs_too():
+    with torch.inference_mode():
+        layer = torch.nn.Linear(8, 4)
+        lk.pack_linears(layer)
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))

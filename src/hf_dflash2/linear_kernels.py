@@ -50,6 +50,11 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _version(weight: torch.Tensor) -> int | None:
+    """In-place writes bump a tensor's version; inference tensors (made under ``inference_mode``) keep none."""
+    return None if weight.is_inference() else weight._version
+
+
 class PackedLinearForward:
     """The forward of one ``nn.Linear`` through oneDNN with its weight packed once, or ``F.linear``
     whenever the packed copy is stale (weight written in place, replaced or moved), gradients are wanted,
@@ -61,12 +66,12 @@ class PackedLinearForward:
         weight = module.weight
         self.module = weakref.ref(module)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-        self.dtype, self.data_ptr, self.version = weight.dtype, weight.data_ptr(), weight._version
+        self.dtype, self.data_ptr, self.version = weight.dtype, weight.data_ptr(), _version(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module()
         weight, bias = module.weight, module.bias
-        if (weight.data_ptr() != self.data_ptr or weight._version != self.version or x.dtype != self.dtype
+        if (weight.data_ptr() != self.data_ptr or _version(weight) != self.version or x.dtype != self.dtype
                 or x.device.type != "cpu" or weight.device.type != "cpu"
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
