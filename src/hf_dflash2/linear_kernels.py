@@ -21,9 +21,7 @@ default's in the last bits (greedy tokens can differ only at exact near-ties).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import statistics
 import time
 import weakref
@@ -34,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .cost_model_dflash2 import _device_name, cost_cache_dir, linear_kernel_of
+from .precision import cached_speedup
 
 __all__ = ["LINEAR_KERNELS", "PackedLinearForward", "linear_kernel_of", "onednn_speedup", "pack_linears",
            "unpack_linears", "use_linear_kernel"]
@@ -156,31 +155,8 @@ def _probe_key(model: torch.nn.Module) -> str:
 def onednn_speedup(model: torch.nn.Module, use_cache: bool = True) -> float:
     """``time_onednn_speedup(model)``, cached in ``linear_kernel.json`` beside the cost models (an unreadable
     cache is ignored with a warning and measured again)."""
-    path = cost_cache_dir() / "linear_kernel.json"
-    key = _probe_key(model)
-    cache: dict = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-            if not isinstance(cache, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as error:
-            logger.warning("ignoring unreadable linear-kernel cache %s (%s)", path, error)
-            cache = {}
-        entry = cache.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)) and entry["speedup"] >= 0:
-            return float(entry["speedup"])
-    speedup = time_onednn_speedup(model)
-    if use_cache:
-        cache[key] = {"speedup": round(speedup, 3)}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError as error:
-            logger.warning("could not cache the linear-kernel probe at %s (%s)", path, error)
-    return speedup
+    return cached_speedup(cost_cache_dir() / "linear_kernel.json", _probe_key(model),
+                          lambda: time_onednn_speedup(model), "linear-kernel", use_cache)
 
 
 def check_linear_kernel(kernel: str) -> None:

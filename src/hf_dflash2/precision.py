@@ -21,6 +21,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -112,6 +113,35 @@ def _probe(workload: str, config=None) -> float:
     return time_matmul_speedup() if workload == "train" else min(time_decode_speedups(config))
 
 
+def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str, use_cache: bool = True) -> float:
+    """The speedup stored under ``key`` in the JSON file ``path``, else ``measure()``, stored there (written
+    whole to a temporary file, then renamed). A file that cannot be read or parsed is ignored with a
+    warning naming ``what``, measured again and rewritten."""
+    cache: dict = {}
+    if use_cache and path.exists():
+        try:
+            cache = json.loads(path.read_text())
+            if not isinstance(cache, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as error:
+            logger.warning("ignoring unreadable %s cache %s (%s)", what, path, error)
+            cache = {}
+        entry = cache.get(key)
+        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)) and entry["speedup"] >= 0:
+            return float(entry["speedup"])
+    speedup = measure()
+    if use_cache:
+        cache[key] = {"speedup": round(speedup, 3)}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1))
+            os.replace(tmp, path)
+        except OSError as error:
+            logger.warning("could not cache the %s probe at %s (%s)", what, path, error)
+    return speedup
+
+
 def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=None) -> bool:
     """Whether bf16 beats fp32 clearly on this CPU for ``workload`` ("train" or "decode", the latter for
     the decoder ``config`` describes), cached per CPU model, torch version, thread count, workload and
@@ -123,29 +153,7 @@ def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=Non
     key = f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
     if workload != "train":  # the training key predates workloads: cached verdicts stay valid
         key += f" | {workload} {sorted(decoder_matrices(config).items())}"
-    path = _cache_path()
-    cache = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-            if not isinstance(cache, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as error:
-            logger.warning("ignoring unreadable precision cache %s (%s)", path, error)
-            cache = {}
-        entry = cache.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)):
-            return entry["speedup"] >= BF16_MIN_SPEEDUP
-    speedup = _probe(workload, config)
-    if use_cache:
-        cache[key] = {"speedup": round(speedup, 3)}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError as error:
-            logger.warning("could not cache the precision probe at %s (%s)", path, error)
+    speedup = cached_speedup(_cache_path(), key, lambda: _probe(workload, config), "precision", use_cache)
     return speedup >= BF16_MIN_SPEEDUP
 
 
