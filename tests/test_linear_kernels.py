@@ -161,3 +161,19 @@ def test_a_model_built_under_inference_mode_packs_too():
         lk.pack_linears(layer)
         x = torch.randn(2, 8)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_deep_copy_of_a_packed_model_reads_its_own_weights():
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    lk.pack_linears(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.copy_(torch.randn(8, 8))  # the copy diverges; the original's packed copy must not leak
+        x = torch.randn(3, 8)
+        torch.testing.assert_close(twin(x), F.linear(F.linear(x, twin[0].weight, twin[0].bias),
+                                                     twin[1].weight, twin[1].bias))
+        torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
+                                                      model[1].weight, model[1].bias))

@@ -67,6 +67,16 @@ class PackedLinearForward:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
         self.dtype, self.data_ptr, self.version = weight.dtype, weight.data_ptr(), _version(weight)
 
+    def __deepcopy__(self, memo: dict) -> "PackedLinearForward":
+        # A deep-copied model's layer must read its own weight: point at the copy (already in ``memo`` when
+        # the copy is made through its module). The copy's weight lives elsewhere, so it runs ``F.linear``.
+        copied = object.__new__(PackedLinearForward)
+        copied.__dict__.update(self.__dict__)
+        module = self.module()
+        if module is not None and id(module) in memo:
+            copied.module = weakref.ref(memo[id(module)])
+        return copied
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         module = self.module()
         weight, bias = module.weight, module.bias
