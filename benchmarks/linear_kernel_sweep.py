@@ -20,10 +20,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, save, table  # noqa: E402
-from linear_kernels import KERNELS, KernelSwitch  # noqa: E402
 
 from hf_dflash2.assets import load_target  # noqa: E402
+from hf_dflash2.linear_kernels import KernelSwitch  # noqa: E402
 
+KERNELS = KernelSwitch.kernels
 WIDTHS = (1, 2, 4, 8, 16)
 
 

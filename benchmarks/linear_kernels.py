@@ -27,30 +27,10 @@ from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set, load_target  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
-from hf_dflash2.linear_kernels import PackedLinearForward, pack_linears, unpack_linears  # noqa: E402
+from hf_dflash2.linear_kernels import KernelSwitch  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
 
-KERNELS = ("default", "onednn")
-
-
-class KernelSwitch:
-    """Both kernels for a set of models, switched by swapping the linear layers' forwards."""
-
-    def __init__(self, *models):
-        self.models = models
-        self.packed = []
-        for model in models:
-            pack_linears(model)
-            self.packed += [(m, m.__dict__["forward"]) for m in model.modules()
-                            if isinstance(m.__dict__.get("forward"), PackedLinearForward)]
-            unpack_linears(model)
-
-    def use(self, kernel: str) -> None:
-        for module, forward in self.packed:
-            if kernel == "onednn":
-                module.forward = forward
-            else:
-                module.__dict__.pop("forward", None)
+KERNELS = KernelSwitch.kernels
 
 
 def main() -> None:

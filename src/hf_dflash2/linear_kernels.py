@@ -7,12 +7,12 @@ weights packed once (``benchmarks/linear_kernels.py``). Below ~2 steps per verif
 above it, it barely does. The packed path was also faster at one row there, so plain greedy gains too.
 
 ``use_linear_kernel(model, "auto")`` times both kernels over the model's own linear layers at 1 and 16
-rows (the plain step and the widest verify, a couple of seconds, cached per CPU model, torch version,
-threads, dtype and layer shapes) and packs only where oneDNN is clearly faster. The packed forward is a
-plain instance attribute on each ``nn.Linear``: parameters, ``state_dict`` and ``save_pretrained`` are
-untouched, and a layer falls back to ``F.linear`` whenever the packed copy could be wrong or unusable:
-its weight was changed or moved since packing, gradients are wanted, or the input is not a CPU tensor of
-the packed dtype. The cost is one more copy of the linear weights in memory.
+rows (the plain step and the widest verify; about 4 s for SmolLM2-135M on 2 threads, cached per CPU
+model, torch version, threads, dtype and layer shapes) and packs only where oneDNN is clearly faster.
+The packed forward is a plain instance attribute on each ``nn.Linear``: parameters, ``state_dict`` and
+``save_pretrained`` are untouched, and a layer falls back to ``F.linear`` whenever the packed copy could
+be wrong or unusable: its weight was changed or moved since packing, gradients are wanted, or the input
+is not a CPU tensor of the packed dtype. The cost is one more copy of the linear weights in memory.
 
 Every method of a benchmark runs on the same kernels, so plain greedy is the same model on both sides
 of a ratio; like any kernel choice, the packed path sums in another order, so its logits differ from the
@@ -31,11 +31,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .cost_model_dflash2 import _device_name, cost_cache_dir, linear_kernel_of
-from .precision import cached_speedup
+from .cost_model_dflash2 import cost_cache_dir, linear_kernel_of
+from .precision import cached_speedup, cpu_key
 
-__all__ = ["LINEAR_KERNELS", "PackedLinearForward", "linear_kernel_of", "onednn_speedup", "pack_linears",
-           "unpack_linears", "use_linear_kernel"]
+__all__ = ["LINEAR_KERNELS", "KernelSwitch", "PackedLinearForward", "linear_kernel_of", "onednn_speedup",
+           "pack_linears", "unpack_linears", "use_linear_kernel"]
 logger = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "onednn", "default")
@@ -118,6 +118,28 @@ def unpack_linears(model: torch.nn.Module) -> None:
             del module.forward
 
 
+class KernelSwitch:
+    """Both kernels for some models: packed once, then switched by swapping the linear layers' forwards,
+    so switching costs nothing (the probe, and benchmarks that time both kernels side by side)."""
+
+    kernels = ("default", "onednn")
+
+    def __init__(self, *models: torch.nn.Module):
+        self.layers = []
+        for model in models:
+            pack_linears(model)
+            self.layers += [(m, m.__dict__["forward"]) for m in _linears(model)
+                            if isinstance(m.__dict__.get("forward"), PackedLinearForward)]
+            unpack_linears(model)
+
+    def use(self, kernel: str) -> None:
+        for module, forward in self.layers:
+            if kernel == "onednn":
+                module.forward = forward
+            else:
+                module.__dict__.pop("forward", None)
+
+
 def _median_pass_seconds(linears: list[torch.nn.Linear], rows: int, repeats: int) -> float:
     """Median seconds of one pass over ``linears`` in model order (weights read cold, as in a forward)."""
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype) for m in linears}
@@ -140,26 +162,22 @@ def time_onednn_speedup(model: torch.nn.Module, rows: tuple[int, ...] = PROBE_RO
     if not linears:
         return 1.0
     try:
-        pack_linears(model)
+        switch = KernelSwitch(model)
     except RuntimeError as error:
         logger.info("linear kernel probe: %s", error)
         return 0.0  # cannot pack here: never chosen
-    unpack_linears(model)
-    totals = {"default": [], "onednn": []}
+    totals = {kernel: [] for kernel in switch.kernels}
     for _ in range(repeats):
-        for kernel in ("default", "onednn"):
-            if kernel == "onednn":
-                pack_linears(model)
+        for kernel in switch.kernels:
+            switch.use(kernel)
             totals[kernel].append(sum(_median_pass_seconds(linears, n, 1) for n in rows))
-            unpack_linears(model)
+    switch.use("default")
     return statistics.median(totals["default"]) / max(statistics.median(totals["onednn"]), 1e-9)
 
 
 def _probe_key(model: torch.nn.Module) -> str:
     shapes = Counter((m.in_features, m.out_features) for m in _linears(model))
-    dtype = next(model.parameters()).dtype
-    return (f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
-            f" | {dtype} | {sorted(shapes.items())}")
+    return f"{cpu_key()} | {next(model.parameters()).dtype} | {sorted(shapes.items())}"
 
 
 def onednn_speedup(model: torch.nn.Module, use_cache: bool = True) -> float:

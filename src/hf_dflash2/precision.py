@@ -113,6 +113,11 @@ def _probe(workload: str, config=None) -> float:
     return time_matmul_speedup() if workload == "train" else min(time_decode_speedups(config))
 
 
+def cpu_key() -> str:
+    """What a CPU probe's verdict depends on beyond its workload: the CPU model, torch and the threads."""
+    return f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+
+
 def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str, use_cache: bool = True) -> float:
     """The speedup stored under ``key`` in the JSON file ``path``, else ``measure()``, stored there (written
     whole to a temporary file, then renamed). A file that cannot be read or parsed is ignored with a
@@ -150,7 +155,7 @@ def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=Non
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     if _cpu_has_bf16_flags() is False:
         return False  # AVX2 only: bf16 is emulated; timing it would itself take seconds
-    key = f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
+    key = cpu_key()
     if workload != "train":  # the training key predates workloads: cached verdicts stay valid
         key += f" | {workload} {sorted(decoder_matrices(config).items())}"
     speedup = cached_speedup(_cache_path(), key, lambda: _probe(workload, config), "precision", use_cache)
