@@ -1,6 +1,7 @@
 """Adaptive verify length vs plain greedy and the fixed block, side by side in one process.
 
     python benchmarks/adaptive.py --dtype fp32|bf16 [--prompts 3] [--new-tokens 48] [--batch8]
+                                  [--linear-kernel auto|onednn|default]
 
 Batch 1, SmolLM2-135M-Instruct, per prompt and interleaved: plain greedy ``generate``, the fast loop with
 the whole block (``adaptive=False``) and adaptive, and ``generate(assistant_model=head)`` adaptive, for a
@@ -9,7 +10,8 @@ head's shape (block 8, its draft vocabulary, untrained) and the committed head h
 ``--batch8``: batched AR vs the fast loop (fixed and adaptive) on 8 prompts with the committed head
 (goal >= 1.0x). Also the identity rate: the share of generated tokens equal to plain greedy's (1.0 in
 fp32; bf16 may flip near-ties, every token still being the target's argmax on its own kernel path).
-Writes benchmarks/results/adaptive_<dtype>.{json,md,png}.
+Every method and head runs on the same linear kernel (``--linear-kernel``, default auto, as the demo and the
+bench). Writes benchmarks/results/adaptive_<dtype>[_<kernel> when not the default kernel].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
+from hf_dflash2.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
 
 
@@ -146,10 +149,13 @@ def main() -> None:
     parser.add_argument("--batch8", action="store_true")
     parser.add_argument("--skip-batch1", action="store_true")
     parser.add_argument("--shared-cpu", action="store_true", help="say in the results that another job ran")
+    parser.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="auto")
     args = parser.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target, tokenizer = load_target()
     target.to(dtype)
+    kernel = use_linear_kernel(target, args.linear_kernel)
+    print(f"linear kernel: {kernel}", flush=True)
     committed = load_head(default_head("smollm2-135m-dflash2"), target).to(dtype).bind_target(target)
     fresh = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=128,
                                          target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
@@ -163,10 +169,13 @@ def main() -> None:
     ).set_draft_vocab(committed.draft_vocab.tolist())
     fresh_shipped.eval().bind_target(target)
     heads = {"fresh": fresh, "fresh_shipped_shape": fresh_shipped, "committed": committed}
+    for head in heads.values():
+        use_linear_kernel(head, kernel)
     texts = load_humaneval_prompts()[:8]
     mixed = (load_humaneval_prompts()[: (args.prompts + 1) // 2] + load_mtbench_prompts()[: args.prompts // 2])
     prompts = [encode_prompt(tokenizer, p, "cpu") for p in mixed]
     results = {"command": "python benchmarks/adaptive.py " + " ".join(sys.argv[1:]), "dtype": args.dtype,
+               "linear_kernel": kernel,
                "load_average_at_start": os.getloadavg(),
                "note": ("CPU shared with another job: " if args.shared_cpu else "no other job running: ")
                + "ratios are side by side in one process; absolute tok/s are noisy"}
@@ -184,13 +193,15 @@ def main() -> None:
     results["batch1"], results["batch8"] = rows, b8
     columns = ["head", "greedy_tok_s", "fixed_x", "adaptive_x", "hf_adaptive_x", "adaptive_worst_prompt_x",
                "adaptive_tau", "identity_rate"]
-    text = f"SmolLM2-135M-Instruct {args.dtype}, batch 1, {len(prompts)} prompts x {args.new_tokens} tokens\n\n"
+    text = (f"SmolLM2-135M-Instruct {args.dtype}, linear kernel {kernel}, batch 1, {len(prompts)} prompts x "
+            f"{args.new_tokens} tokens\n\n")
     text += table(rows, columns)
     if b8:
         columns8 = ["ar_tok_s", "fixed_tok_s", "adaptive_tok_s", "adaptive_over_ar", "adaptive_no_trees_over_ar"]
         text += "\n\nbatch 8 (tok/s):\n\n" + table([b8], columns8)
     print("\n" + text)
-    stem = f"adaptive_{args.dtype}" + ("_b8" if args.skip_batch1 else "")
+    stem = f"adaptive_{args.dtype}" + ("" if kernel == "default" else f"_{kernel}")
+    stem += "_b8" if args.skip_batch1 else ""
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     chart(rows, b8, RESULTS / f"{stem}.png", args.dtype)
     print(f"written {save(stem, results)}")
