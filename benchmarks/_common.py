@@ -73,6 +73,29 @@ def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, 
     plt.close(fig)
 
 
+def chart_grouped(labels: list[str], series: dict[str, list[float]], ylabel: str, title: str, path: Path,
+                  baseline: float | None = 1.0) -> None:
+    """Grouped bars (PNG): one group per label, one bar per series, and a line at ``baseline``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.3 * (len(series) + 1)) + 2.5, 3.6))  # + the legend
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar([p + (i - (len(series) - 1) / 2) * width for p in range(len(labels))], values, width=width, label=name)
+    if baseline is not None:
+        ax.axhline(baseline, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the bars
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def fp32_committed_head(load_committed: bool = True):
     """(target, tokenizer, head): SmolLM2-135M-Instruct in fp32 (every variant's greedy text is then the
     same) with the committed dFlash 2 head (None when not ``load_committed``), prompts in the chat

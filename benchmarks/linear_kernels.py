@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GREEDY, RESULTS, save, table  # noqa: E402
+from _common import GREEDY, RESULTS, chart_grouped, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set, load_target  # noqa: E402
@@ -122,26 +122,11 @@ def main() -> None:
 
 
 def draw(rows: list[dict], path: Path, dtype: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['set'][:2]}{r['prompt']}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 3.6))
-    series = (("fast/AR default", "fast loop / AR, default kernel"), ("fast/AR onednn", "fast loop / AR, oneDNN"),
-              ("fast onednn / AR default", "fast loop oneDNN / AR default"))
-    for i, (column, label) in enumerate(series):
-        ax.bar([p + (i - 1) * 0.27 for p in x], [r[column] for r in rows], width=0.27, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(list(x), labels)
-    ax.set_ylabel("speedup over plain greedy")
-    ax.set_title(f"Linear kernels, SmolLM2-135M + committed head, {dtype}, batch 1")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    series = {"fast loop / AR, default kernel": "fast/AR default", "fast loop / AR, oneDNN": "fast/AR onednn",
+              "fast loop oneDNN / AR default": "fast onednn / AR default"}
+    chart_grouped([f"{r['set'][:2]}{r['prompt']}" for r in rows],
+                  {label: [r[column] for r in rows] for label, column in series.items()},
+                  "speedup over plain greedy", f"Linear kernels, SmolLM2-135M + committed head, {dtype}, batch 1", path)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GREEDY, RESULTS, save, table  # noqa: E402
+from _common import GREEDY, RESULTS, chart_grouped, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set, load_target  # noqa: E402
@@ -146,25 +146,9 @@ def main() -> None:
 
 
 def draw(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    variants = VARIANTS[1:]
-    width = 0.8 / len(variants)
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 2.2), 3.6))
-    for i, name in enumerate(variants):
-        ax.bar([p + (i - (len(variants) - 1) / 2) * width for p in range(len(rows))],
-               [r[f"{name} / greedy"] for r in rows], width=width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(rows)), [f"{r['set']} {r['prompt']}" for r in rows])
-    ax.set_ylabel("speed / plain greedy")
-    ax.set_title(f"The fast loop round by round: {title}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    chart_grouped([f"{r['set']} {r['prompt']}" for r in rows],
+                  {name: [r[f"{name} / greedy"] for r in rows] for name in VARIANTS[1:]},
+                  "speed / plain greedy", f"The fast loop round by round: {title}", path)
 
 
 if __name__ == "__main__":
