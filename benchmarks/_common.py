@@ -17,8 +17,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
+def cpu_kind() -> str:
+    """A short name for this CPU's fastest bf16 path, for result file names: "amx", "avx512bf16" or "avx2"
+    (this project's machines change kind between sessions, and results of one kind must not overwrite
+    another's)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+
+
 def machine() -> dict:
+    from hf_dflash2.cost_model_dflash2 import _device_name
+
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": _device_name(torch.device("cpu")), "cpu_kind": cpu_kind(),
             "torch": torch.__version__, "threads": torch.get_num_threads()}
 
 

@@ -5,7 +5,7 @@
 SmolLM2-135M-Instruct with a 200-token cache: the forward over k = 1, 2, 4, 8, 16 new tokens (cropped
 back after each), on PyTorch's default linear kernel and on oneDNN with packed weights, interleaved,
 medians of ``--repeats``; and one 576 -> 1536 linear layer at 1 and 2 rows. Checks that both kernels
-give the same argmax. Writes benchmarks/results/linear_kernel_sweep_<dtype>.{json,md}.
+give the same argmax. Writes benchmarks/results/linear_kernel_sweep_<dtype>_<cpu kind>.{json,md}.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, save, table  # noqa: E402
+from _common import RESULTS, cpu_kind, save, table  # noqa: E402
 
 from hf_dflash2.assets import load_target  # noqa: E402
 from hf_dflash2.linear_kernels import KernelSwitch  # noqa: E402
@@ -82,8 +82,9 @@ def main() -> None:
     command = "python benchmarks/linear_kernel_sweep.py " + " ".join(sys.argv[1:])
     markdown = (f"Target forward over k new tokens, 200-token cache, {args.dtype}, medians of {args.repeats} "
                 f"(`{command}`); same argmax on both kernels: {same}\n\n{table(rows, list(rows[0]))}\n")
-    save(f"linear_kernel_sweep_{args.dtype}", {"command": command, "rows": rows, "same_argmax": same})
-    (RESULTS / f"linear_kernel_sweep_{args.dtype}.md").write_text(markdown)
+    stem = f"linear_kernel_sweep_{args.dtype}_{cpu_kind()}"
+    save(stem, {"command": command, "rows": rows, "same_argmax": same})
+    (RESULTS / f"{stem}.md").write_text(markdown)
     print(markdown)
 
 

@@ -268,18 +268,32 @@ def test_fast_loop_sampling_is_lossless(dflash2, batch):
     assert accepted > 0  # second tokens really came through the drafter's proposals
 
 
-def test_generate_path_sampling_is_lossless():
-    """Transformers' loop with our q: same test, 20,000 seeded generate calls on a very small model."""
+def _generate_path_pair_counts(seed: int, runs: int) -> torch.Tensor:
+    """Counts of (first, second) generated token over ``runs`` seeded ``generate(assistant_model=)`` calls."""
+    torch.set_num_threads(1)
     target = tiny_target(vocab_size=8, hidden_size=16, layers=2, seed=4)
     drafter = tiny_drafter(target, block_size=3, selector_top_k=4, selector_rank=4, mask_token_id=1)
     drafter.adaptive_verify = False  # every round returns the whole block; tests/test_adaptive.py covers shorter ones
     prompt = torch.tensor([[3, 7, 1]])
-    exact = _pair_distribution(target, prompt, 1.0, None, None)
-    counts = torch.zeros_like(exact)
-    torch.manual_seed(99)
-    for _ in range(20_000):
+    counts = torch.zeros(8, 8)
+    torch.manual_seed(seed)
+    for _ in range(runs):
         out = target.generate(prompt, assistant_model=drafter, max_new_tokens=2, do_sample=True, top_k=None, top_p=None, temperature=1.0)
         counts[out[0, 3], out[0, 4]] += 1
+    return counts
+
+
+def test_generate_path_sampling_is_lossless():
+    """Transformers' loop with our q: same test, 20,000 seeded generate calls on a very small model, in two
+    processes of 10,000 (each call is tiny and bound by Python, so the two cores halve the wall time)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    target = tiny_target(vocab_size=8, hidden_size=16, layers=2, seed=4)
+    exact = _pair_distribution(target, torch.tensor([[3, 7, 1]]), 1.0, None, None)
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:
+        counts = sum(pool.map(_generate_path_pair_counts, (99, 100), (10_000, 10_000)))
+    assert counts.sum() == 20_000
     tv = 0.5 * (counts / counts.sum() - exact).abs().sum()
     assert tv < 0.05, float(tv)
 

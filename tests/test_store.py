@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_dflash2 import precision
+from hf_dflash2 import linear_kernels, precision
 from hf_dflash2.speculative_dflash2 import tapped_features
 from hf_dflash2.training.losses import sparse_cross_entropy
 from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store
@@ -192,17 +192,20 @@ def test_decode_precision_has_its_own_probe_and_cache_entry(monkeypatch, tmp_pat
     monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)
     calls = []
     monkeypatch.setattr(precision, "time_matmul_speedup", lambda: calls.append("train") or 3.0)
-    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: calls.append("decode") or [0.63, 2.3])
+    monkeypatch.setattr(precision, "time_decode_speedups",
+                        lambda config, kernels: calls.append("decode") or [0.63, 2.3])
     assert precision.resolve_precision("auto", "cpu") == "bf16"
     assert precision.resolve_precision("auto", "cpu", workload="decode") == "no"
     assert precision.resolve_dtype("auto", "cpu", workload="decode") == torch.float32
     assert calls == ["train", "decode"], "the second decode verdict must come from the cache"
     entries = json.loads((tmp_path / "precision.json").read_text())
-    assert sorted(v["speedup"] for v in entries.values()) == [0.63, 3.0]  # decode keeps its worst row count
-    # bf16 faster at both row counts: decode picks bf16 (a fresh cache).
-    monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "other"))
-    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: [1.4, 2.3])
-    assert precision.resolve_precision("auto", "cpu", workload="decode") == "bf16"
+    assert sorted(str(v) for v in entries.values()) == ["{'speedup': 3.0}", "{'speedups': [0.63, 2.3]}"]
+    # Each verdict on a fresh cache: bf16 must not be slower at one row and clearly faster at the verify.
+    for index, (speedups, verdict) in enumerate([([1.4, 2.3], "bf16"), ([1.05, 1.5], "bf16"), ([1.05, 1.1], "no"),
+                                                  ([0.95, 3.0], "no")]):
+        monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / f"other{index}"))
+        monkeypatch.setattr(precision, "time_decode_speedups", lambda config, kernels, s=speedups: s)
+        assert precision.resolve_precision("auto", "cpu", workload="decode") == verdict, speedups
     with pytest.raises(ValueError, match="'serve'"):
         precision.resolve_precision("auto", "cpu", workload="serve")
 
@@ -216,21 +219,60 @@ def test_demo_and_bench_load_the_target_in_the_decode_verdicts_dtype(monkeypatch
     monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path))
     monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)
     monkeypatch.setattr(hf_dflash2.assets, "load_target", lambda *a, dtype=None: (tiny_target().to(dtype), None))
-    seen = []
-    verdicts = iter([[0.63, 2.3], [1.4, 2.3]])
-    monkeypatch.setattr(precision, "time_decode_speedups", lambda config: seen.append(config) or next(verdicts))
+    seen, kernels_seen = [], []
+    verdicts = iter([[0.63, 2.3], [1.4, 2.3], [1.4, 2.3]])
+    monkeypatch.setattr(precision, "time_decode_speedups",
+                        lambda config, kernels: seen.append(config) or kernels_seen.append(kernels) or next(verdicts))
     target, _ = precision.load_target_for_decoding("auto")
     assert target.dtype == torch.float32
     assert precision.decoder_matrices(seen[0])[(64, 96)] == 1  # the tiny target's LM head, not SmolLM2's
     monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "other"))
     assert precision.load_target_for_decoding("auto")[0].dtype == torch.bfloat16
     assert precision.load_target_for_decoding("fp32")[0].dtype == torch.float32 and len(seen) == 2
+    # The probe times each dtype on the kernels the caller allows (and caches each choice on its own).
+    assert precision.load_target_for_decoding("auto", linear_kernel="default")[0].dtype == torch.bfloat16
+    assert kernels_seen[0] == linear_kernels.decode_probe_kernels("auto") and kernels_seen[2] == ("default",)
+    assert len(seen) == 3
 
 
 def test_decode_probe_times_both_row_counts():
     tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 100}
     speedups = precision.time_decode_speedups(type("Config", (), tiny)(), repeats=1)
     assert len(speedups) == len(precision.DECODE_ROWS) and all(s > 0 for s in speedups)
+    assert precision.DECODE_ROWS == (1, 16)
+
+
+def test_decode_probe_takes_each_dtypes_faster_kernel(monkeypatch):
+    """Each dtype is timed on the allowed kernels and counts on its faster one (oneDNN only when
+    ``ONEDNN_MIN_SPEEDUP`` faster, as ``use_linear_kernel`` decides); a dtype oneDNN cannot pack keeps the
+    default, and with oneDNN alone allowed it can never be chosen."""
+    tiny = type("Config", (), {"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "vocab_size": 8})()
+    # Fake kernels with known costs: the clock advances by a per-(dtype, kernel, rows) amount per call.
+    costs = {(torch.float32, "default"): 4.0, (torch.float32, "onednn"): 3.0,
+             (torch.bfloat16, "default"): 8.0, (torch.bfloat16, "onednn"): 1.0}
+    now = [0.0]
+    monkeypatch.setattr(precision.time, "perf_counter", lambda: now[0])
+
+    def kernel(dtype, name):
+        def run(x):
+            now[0] += costs[dtype, name] * (1 + x.shape[0] / 16)
+        return run
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w: kernel(w.dtype, "default")(x))
+    monkeypatch.setattr(linear_kernels, "onednn_linear", lambda w: kernel(w.dtype, "onednn"))
+    both = precision.time_decode_speedups(tiny, repeats=1, kernels=("default", "onednn"))
+    assert both == pytest.approx([3.0, 3.0])  # fp32 on oneDNN (3) over bf16 on oneDNN (1)
+    assert precision.time_decode_speedups(tiny, repeats=1, kernels=("default",)) == pytest.approx([0.5, 0.5])
+    # oneDNN only 1.05x faster for fp32: the default kernel stays, as use_linear_kernel would keep it.
+    costs[torch.float32, "onednn"] = 4.0 / 1.05
+    assert precision.time_decode_speedups(tiny, repeats=1, kernels=("default", "onednn")) == pytest.approx([4, 4])
+
+    def cannot_pack(w):
+        if w.dtype == torch.bfloat16:
+            raise RuntimeError("bf16 packing needs AVX-512")
+        return kernel(w.dtype, "onednn")
+    monkeypatch.setattr(linear_kernels, "onednn_linear", cannot_pack)
+    assert precision.time_decode_speedups(tiny, repeats=1, kernels=("default", "onednn")) == pytest.approx([.5, .5])
+    assert precision.time_decode_speedups(tiny, repeats=1, kernels=("onednn",)) == [0.0, 0.0]
 
 
 @pytest.fixture

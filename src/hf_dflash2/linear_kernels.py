@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from .cost_model_dflash2 import cost_cache_dir, linear_kernel_of
 from .precision import cached_speedup, cpu_key
 
-__all__ = ["LINEAR_KERNELS", "KernelSwitch", "PackedLinearForward", "linear_kernel_of", "onednn_speedup",
-           "pack_linears", "unpack_linears", "use_linear_kernel"]
+__all__ = ["LINEAR_KERNELS", "KernelSwitch", "PackedLinearForward", "decode_probe_kernels", "linear_kernel_of",
+           "onednn_linear", "onednn_speedup", "pack_linears", "unpack_linears", "use_linear_kernel"]
 logger = logging.getLogger(__name__)
 
 LINEAR_KERNELS = ("auto", "onednn", "default")
@@ -47,6 +47,21 @@ _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(weight: torch.Tensor, rows_hint: int = PROBE_ROWS[-1]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> F.linear(x, weight)`` through oneDNN with ``weight`` packed once; RuntimeError where this CPU
+    cannot pack its dtype (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+def decode_probe_kernels(linear_kernel: str) -> tuple[str, ...]:
+    """The kernels the decode-precision probe may time each dtype on, for a ``--linear-kernel`` choice."""
+    check_linear_kernel(linear_kernel)
+    if linear_kernel == "auto":
+        return ("default", "onednn") if _onednn_available() else ("default",)
+    return (linear_kernel,)
 
 
 def _version(weight: torch.Tensor) -> int | None:

@@ -9,9 +9,15 @@ Two workloads, two probes. Training, feature stores and regeneration multiply hu
 (``workload="train"``: a square product). Decoding at batch 1 multiplies one row by each weight matrix
 (and a verify a few rows): that is bound by reading the weights, and on some CPUs with fast bf16 *compute*
 the one-row bf16 product is slower than fp32 (measured 0.63x in session 6, ``benchmarks/decode_dtype.py``).
-So ``workload="decode"`` (demo, bench) times a linear layer at 1 and 8 rows and picks bf16 only when it is
-faster at both: the plain step and the verify, so neither side of a speculative-vs-greedy ratio is the
-one left slow.
+So ``workload="decode"`` (demo, bench) times one decoder step's weight matrices at 1 and 16 rows (the plain
+step and the widest verify) and picks bf16 only when it is clearly faster at the verify (``BF16_MIN_SPEEDUP``)
+and not slower at the plain step, so neither side of a speculative-vs-greedy ratio is the one left slow.
+
+Each dtype is timed on the linear kernels the caller allows (``linear_kernels``: PyTorch's default, and
+oneDNN with packed weights), each dtype on its faster one. Session 20's Intel Xeon with AMX is why: there
+a bf16 step on the default kernel is slower than fp32 (so decoding used to run in fp32, where a 16-token
+verify costs 2.3 plain steps), while bf16 through oneDNN is the fastest plain step of the four and its
+16-token verify costs 1.25 of them (``benchmarks/linear_kernel_sweep.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +73,9 @@ def time_matmul_speedup(size: int = 512, repeats: int = 5) -> float:
     return timings[torch.float32] / max(timings[torch.bfloat16], 1e-9)
 
 
-DECODE_ROWS = (1, 8)  # the plain step, and a verify of a few drafts
+DECODE_ROWS = (1, 16)  # the plain step, and the widest verify (a block of 16, or a draft tree of 16 slots)
+# What `auto` demands of bf16 at the plain step: not slower (its verify must clear BF16_MIN_SPEEDUP).
+BF16_MIN_STEP_SPEEDUP = 1.0
 # SmolLM2-135M-Instruct, the product's reference target: used when the caller has no config at hand.
 DEFAULT_DECODER = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "vocab_size": 49152}
 
@@ -86,31 +94,64 @@ def decoder_matrices(config=None) -> dict[tuple[int, int], int]:
     return matrices
 
 
-def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repeats: int = 5) -> list[float]:
+def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repeats: int = 5,
+                         kernels: tuple[str, ...] = ("default",)) -> list[float]:
     """fp32 time / bf16 time of one decoder step's weight reads (``decoder_matrices(config)``, each matrix
-    timed with ``F.linear`` and weighted by its count) at each number of ``rows``: medians of ``repeats``,
-    the dtypes interleaved so drift hits both alike."""
+    weighted by its count) at each number of ``rows``: medians of ``repeats``, every (dtype, kernel) pair
+    interleaved so drift hits all alike. Each dtype runs on its faster kernel among ``kernels`` ("default":
+    ``F.linear``; "onednn": packed weights, taken when ``ONEDNN_MIN_SPEEDUP`` faster over all ``rows``, as
+    ``use_linear_kernel`` decides); a dtype no allowed kernel can run counts as infinitely slow."""
+    from .linear_kernels import ONEDNN_MIN_SPEEDUP, onednn_linear  # imported here: linear_kernels imports us
+
     dtypes = (torch.float32, torch.bfloat16)
-    totals = {(n, dtype): 0.0 for n in rows for dtype in dtypes}
+    packable = {dtype: "onednn" in kernels for dtype in dtypes}
+    totals: dict[tuple, float] = {}
     for (fan_in, fan_out), count in decoder_matrices(config).items():
-        weights = {dtype: torch.randn(fan_out, fan_in).to(dtype) for dtype in dtypes}  # once per shape
+        functions = {}
+        for dtype in dtypes:
+            weight = torch.randn(fan_out, fan_in).to(dtype)  # once per shape
+            if "default" in kernels:
+                functions[dtype, "default"] = lambda x, w=weight: torch.nn.functional.linear(x, w)
+            if packable[dtype]:
+                try:
+                    functions[dtype, "onednn"] = onednn_linear(weight)
+                except RuntimeError as error:  # e.g. bf16 packing on a CPU without AVX-512
+                    logger.info("decode probe: oneDNN cannot pack %s here (%s)", dtype, error)
+                    packable[dtype] = False
+                    totals = {k: v for k, v in totals.items() if k[1:] != (dtype, "onednn")}
         for n in rows:
             inputs = {dtype: torch.randn(n, fan_in).to(dtype) for dtype in dtypes}
-            samples = {dtype: [] for dtype in dtypes}
+            samples = {pair: [] for pair in functions}
             for repeat in range(repeats + 1):  # the first pass picks kernels and is not counted
-                for dtype in dtypes:
+                for (dtype, kernel), function in functions.items():
                     start = time.perf_counter()
-                    torch.nn.functional.linear(inputs[dtype], weights[dtype])
+                    function(inputs[dtype])
                     if repeat:
-                        samples[dtype].append(time.perf_counter() - start)
-            for dtype in dtypes:
-                totals[n, dtype] += count * sorted(samples[dtype])[repeats // 2]
-    return [totals[n, torch.float32] / max(totals[n, torch.bfloat16], 1e-9) for n in rows]
+                        samples[dtype, kernel].append(time.perf_counter() - start)
+            for pair, times in samples.items():
+                totals[(n, *pair)] = totals.get((n, *pair), 0.0) + count * sorted(times)[repeats // 2]
+
+    def fastest(dtype: torch.dtype) -> list[float] | None:
+        timed = {kernel: [totals[n, dtype, kernel] for n in rows] for kernel in kernels
+                 if all((n, dtype, kernel) in totals for n in rows)}
+        if not timed:
+            return None
+        if "onednn" in timed and ("default" not in timed
+                                  or sum(timed["default"]) >= ONEDNN_MIN_SPEEDUP * sum(timed["onednn"])):
+            return timed["onednn"]
+        return timed["default"]
+
+    fp32, bf16 = fastest(torch.float32), fastest(torch.bfloat16)
+    if fp32 is None or bf16 is None:
+        return [0.0 if bf16 is None else float("inf")] * len(rows)
+    return [a / max(b, 1e-12) for a, b in zip(fp32, bf16)]
 
 
-def _probe(workload: str, config=None) -> float:
-    """The workload's bf16 speedup: train -> the square product's; decode -> the worst over ``DECODE_ROWS``."""
-    return time_matmul_speedup() if workload == "train" else min(time_decode_speedups(config))
+def decode_bf16_is_faster(speedups: list[float]) -> bool:
+    """The decode rule over ``time_decode_speedups``' (one row, verify rows) figures."""
+    return speedups[0] >= BF16_MIN_STEP_SPEEDUP and min(speedups[1:], default=0.0) >= BF16_MIN_SPEEDUP
+
+
 
 
 def cpu_key() -> str:
@@ -118,10 +159,12 @@ def cpu_key() -> str:
     return f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
 
 
-def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str, use_cache: bool = True) -> float:
-    """The speedup stored under ``key`` in the JSON file ``path``, else ``measure()``, stored there (written
+def cached_speedups(path: Path, key: str, measure: Callable[[], list[float]], what: str,
+                    use_cache: bool = True) -> list[float]:
+    """The figures stored under ``key`` in the JSON file ``path``, else ``measure()``, stored there (written
     whole to a temporary file, then renamed). A file that cannot be read or parsed is ignored with a
-    warning naming ``what``, measured again and rewritten."""
+    warning naming ``what``, measured again and rewritten; an entry that is not a list of non-negative
+    numbers is measured again."""
     cache: dict = {}
     if use_cache and path.exists():
         try:
@@ -132,11 +175,14 @@ def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str
             logger.warning("ignoring unreadable %s cache %s (%s)", what, path, error)
             cache = {}
         entry = cache.get(key)
-        if isinstance(entry, dict) and isinstance(entry.get("speedup"), (int, float)) and entry["speedup"] >= 0:
-            return float(entry["speedup"])
-    speedup = measure()
+        figures = entry.get("speedups", [entry.get("speedup")]) if isinstance(entry, dict) else None
+        if (isinstance(figures, list) and figures
+                and all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 0 for f in figures)):
+            return [float(f) for f in figures]
+    figures = [float(f) for f in measure()]
     if use_cache:
-        cache[key] = {"speedup": round(speedup, 3)}
+        cache[key] = {"speedup": round(figures[0], 3)} if len(figures) == 1 else {
+            "speedups": [round(f, 3) for f in figures]}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -144,39 +190,52 @@ def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str
             os.replace(tmp, path)
         except OSError as error:
             logger.warning("could not cache the %s probe at %s (%s)", what, path, error)
-    return speedup
+    return figures
 
 
-def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=None) -> bool:
+def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str, use_cache: bool = True) -> float:
+    """``cached_speedups`` for one figure."""
+    return cached_speedups(path, key, lambda: [measure()], what, use_cache)[0]
+
+
+def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=None,
+                     kernels: tuple[str, ...] = ("default",)) -> bool:
     """Whether bf16 beats fp32 clearly on this CPU for ``workload`` ("train" or "decode", the latter for
-    the decoder ``config`` describes), cached per CPU model, torch version, thread count, workload and
-    decoder shape."""
+    the decoder ``config`` describes, each dtype on its faster linear kernel among ``kernels``), cached per
+    CPU model, torch version, thread count, workload, decoder shape and kernels."""
     if workload not in WORKLOADS:
         raise ValueError(f"workload must be one of {WORKLOADS}, got {workload!r}")
     if _cpu_has_bf16_flags() is False:
         return False  # AVX2 only: bf16 is emulated; timing it would itself take seconds
     key = cpu_key()
-    if workload != "train":  # the training key predates workloads: cached verdicts stay valid
-        key += f" | {workload} {sorted(decoder_matrices(config).items())}"
-    speedup = cached_speedup(_cache_path(), key, lambda: _probe(workload, config), "precision", use_cache)
-    return speedup >= BF16_MIN_SPEEDUP
+    if workload == "train":  # the training key predates workloads: cached verdicts stay valid
+        return cached_speedup(_cache_path(), key, time_matmul_speedup, "precision", use_cache) >= BF16_MIN_SPEEDUP
+    key += f" | {workload} {sorted(decoder_matrices(config).items())} | rows {list(DECODE_ROWS)} | {sorted(kernels)}"
+    speedups = cached_speedups(_cache_path(), key, lambda: time_decode_speedups(config, kernels=kernels),
+                               "precision", use_cache)
+    fast = decode_bf16_is_faster(speedups)
+    logger.info("decode probe (kernels %s): bf16 %s fp32's speed at rows %s", "/".join(kernels),
+                " / ".join(f"{x:.2f}x" for x in speedups), list(DECODE_ROWS))
+    return fast
 
 
-def bf16_is_fast(device: torch.device | str | None = None, workload: str = "train", config=None) -> bool:
+def bf16_is_fast(device: torch.device | str | None = None, workload: str = "train", config=None,
+                 kernels: tuple[str, ...] = ("default",)) -> bool:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":
-        return cpu_bf16_is_fast(workload=workload, config=config)
+        return cpu_bf16_is_fast(workload=workload, config=config, kernels=kernels)
     return False
 
 
 def resolve_precision(choice: str, device: torch.device | str | None = None, probe=None,
-                      workload: str = "train", config=None) -> str:
+                      workload: str = "train", config=None, kernels: tuple[str, ...] = ("default",)) -> str:
     """``auto`` -> ``"bf16"`` or ``"no"`` (accelerate's name for fp32); other names pass through.
 
     ``workload``: "train" (stores, regeneration, training) or "decode" (batch-1 generation: demo, bench),
-    the latter probed with the shapes of the decoder ``config`` describes (SmolLM2-135M's when None).
+    the latter probed with the shapes of the decoder ``config`` describes (SmolLM2-135M's when None), each
+    dtype on its faster CPU linear kernel among ``kernels``.
     ``probe`` (a callable returning bool) replaces the speed test, for tests and for callers that know.
     """
     if choice not in PRECISION_CHOICES:
@@ -187,7 +246,7 @@ def resolve_precision(choice: str, device: torch.device | str | None = None, pro
         return "no"
     if choice != "auto":
         return choice
-    fast = probe() if probe is not None else bf16_is_fast(device, workload, config)
+    fast = probe() if probe is not None else bf16_is_fast(device, workload, config, kernels)
     chosen = "bf16" if fast else "no"
     logger.info("precision auto (%s): bf16 is %s here -> %s", workload, "fast" if fast else "slow",
                 "bf16" if fast else "fp32")
@@ -195,10 +254,10 @@ def resolve_precision(choice: str, device: torch.device | str | None = None, pro
 
 
 def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=None,
-                  workload: str = "train", config=None) -> torch.dtype:
+                  workload: str = "train", config=None, kernels: tuple[str, ...] = ("default",)) -> torch.dtype:
     """The torch dtype to load a model in for ``choice`` (``auto`` measures, see ``resolve_precision``)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}[
-        resolve_precision(choice, device, probe, workload, config)
+        resolve_precision(choice, device, probe, workload, config, kernels)
     ]
 
 
@@ -206,16 +265,17 @@ def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None, lin
     """Demo and bench: the target (and tokenizer) in the dtype ``choice`` resolves to for batch-1 decoding,
     its linear layers on ``linear_kernel`` (``hf_dflash2.linear_kernels``; heads loaded with
     ``prompts.load_head`` follow the target's). ``auto`` loads in fp32, probes with the loaded model's own
-    shapes, and casts to bf16 if that wins."""
+    shapes, each dtype on the kernels ``linear_kernel`` allows, and casts to bf16 if that wins."""
     from .assets import load_target
-    from .linear_kernels import check_linear_kernel, use_linear_kernel
+    from .linear_kernels import check_linear_kernel, decode_probe_kernels, use_linear_kernel
 
     check_linear_kernel(linear_kernel)
     if choice != "auto":
         target, tokenizer = load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
     else:
         target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
-        dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config)
+        dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config,
+                              kernels=decode_probe_kernels(linear_kernel))
         target = target.to(dtype)
     use_linear_kernel(target, linear_kernel)
     return target, tokenizer
