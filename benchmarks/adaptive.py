@@ -11,7 +11,8 @@ head's shape (block 8, its draft vocabulary, untrained) and the committed head h
 (goal >= 1.0x). Also the identity rate: the share of generated tokens equal to plain greedy's (1.0 in
 fp32; bf16 may flip near-ties, every token still being the target's argmax on its own kernel path).
 Every method and head runs on the same linear kernel (``--linear-kernel``, default auto, as the demo and the
-bench). Writes benchmarks/results/adaptive_<dtype>[_<kernel> when not the default kernel].{json,md,png}.
+bench). Writes benchmarks/results/adaptive_<dtype>[_<kernel> when not the default kernel][_<cpu kind> from
+session 20 on].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GREEDY, RESULTS, save, table  # noqa: E402
+from _common import GREEDY, RESULTS, cpu_kind, save, table  # noqa: E402
 
 from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
@@ -200,7 +201,7 @@ def main() -> None:
         columns8 = ["ar_tok_s", "fixed_tok_s", "adaptive_tok_s", "adaptive_over_ar", "adaptive_no_trees_over_ar"]
         text += "\n\nbatch 8 (tok/s):\n\n" + table([b8], columns8)
     print("\n" + text)
-    stem = f"adaptive_{args.dtype}" + ("" if kernel == "default" else f"_{kernel}")
+    stem = f"adaptive_{args.dtype}" + ("" if kernel == "default" else f"_{kernel}") + f"_{cpu_kind()}"
     stem += "_b8" if args.skip_batch1 else ""
     (RESULTS / f"{stem}.md").write_text(text + "\n")
     chart(rows, b8, RESULTS / f"{stem}.png", args.dtype)

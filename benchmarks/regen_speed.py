@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import chart_bars  # noqa: E402
 
 from hf_dflash2.assets import load_sharegpt_prompts, load_target  # noqa: E402
+from hf_dflash2.linear_kernels import KernelSwitch  # noqa: E402
 from hf_dflash2.precision import resolve_dtype  # noqa: E402
 from hf_dflash2.prompts import left_pad  # noqa: E402
 from hf_dflash2.training.regenerate import decode_batch, encode_prompts, response_eos_ids  # noqa: E402
@@ -43,11 +44,17 @@ def main() -> None:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--mixed-precision", default="auto")
+    parser.add_argument("--linear-kernels", default="default",
+                        help="comma-separated from default,onednn: each method runs on each CPU linear kernel")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
+    kernels = args.linear_kernels.split(",")
+    if not kernels or any(k not in KernelSwitch.kernels for k in kernels):
+        parser.error(f"--linear-kernels takes names from {KernelSwitch.kernels}, got {args.linear_kernels!r}")
 
     dtype = resolve_dtype(args.mixed_precision)
     target, tokenizer = load_target(dtype=dtype)
+    switch = KernelSwitch(target) if "onednn" in kernels else None
     eos = response_eos_ids(target, tokenizer)
     prompts, report = load_sharegpt_prompts()
     prompts = drop_evaluation_prompts(prompts, report)
@@ -59,7 +66,10 @@ def main() -> None:
         input_ids, attention_mask = left_pad([torch.tensor([ids]) for ids in batch], tokenizer.pad_token_id)
         width = input_ids.shape[1]
 
-        def run(method: str) -> list[list[int]]:
+        def run(name: str) -> list[list[int]]:
+            method, _, kernel = name.partition("@")
+            if switch is not None:
+                switch.use(kernel)
             with torch.no_grad():
                 if method == "decode_batch":
                     return decode_batch(target, input_ids, attention_mask, args.max_new_tokens, eos)
@@ -68,7 +78,8 @@ def main() -> None:
                                       max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id, **extra)
                 return cut_at_eos(out[:, width:].tolist(), eos)
 
-        methods = args.methods.split(",")
+        methods = [f"{m}@{k}" if len(kernels) > 1 or k != "default" else m
+                   for m in args.methods.split(",") for k in kernels]
         outputs = {m: run(m) for m in methods}  # warm-up, and the outputs to compare
         times = {m: [] for m in methods}
         for _ in range(args.repeats):
@@ -76,7 +87,7 @@ def main() -> None:
                 started = time.perf_counter()
                 run(method)
                 times[method].append(time.perf_counter() - started)
-        reference = outputs.get("generate")
+        reference = outputs.get("generate", outputs.get("generate@default"))
         for method in methods:
             useful = sum(len(r) for r in outputs[method])
             seconds = statistics.median(times[method])
