@@ -130,3 +130,41 @@ def test_evaluation_problems_never_become_training_prompts(tmp_path):
     assert len(python_function_prompts([tmp_path])[0]) == 2  # the leak is a valid prompt on its own
     prompts = _load_prompts(f"python-functions:{tmp_path}", seed=0)
     assert [p["id"] for p in prompts] == ["python/geometry.area"]
+
+
+def test_regenerate_cli_refuses_an_unknown_linear_kernel_before_loading(tmp_path, monkeypatch):
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    with pytest.raises(SystemExit, match="'mkl'"):
+        main(["regenerate", "--linear-kernel", "mkl", "--output", str(tmp_path / "out.jsonl")])
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_regenerate_cli_probes_the_linear_kernel_at_its_batch_size(tmp_path, monkeypatch):
+    """Regeneration multiplies one row per running prompt, so `auto` is timed at --batch-size rows, not at
+    decoding's 1 and 16; the kernel is set before the first forward."""
+    import hf_dflash2.assets
+    import hf_dflash2.linear_kernels
+    import hf_dflash2.training.regenerate
+    from hf_dflash2.cli import main
+
+    from .conftest import tiny_target
+    from .test_conventions import tiny_base_tokenizer
+
+    target = tiny_target(vocab_size=96)
+    calls = []
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", lambda *a, dtype=None: (target, tiny_base_tokenizer()))
+    monkeypatch.setattr(hf_dflash2.linear_kernels, "use_linear_kernel",
+                        lambda model, kernel, rows: calls.append((model, kernel, rows)) or "default")
+    monkeypatch.setattr(hf_dflash2.training.regenerate, "regenerate",
+                        lambda model, *args, **kwargs: calls.append(("regenerate", model)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hello world"}\n')
+    main(["regenerate", "--prompts", str(prompts), "--batch-size", "48", "--output", str(tmp_path / "out.jsonl"),
+          "--mixed-precision", "fp32"])
+    assert calls == [(target, "auto", (48,)), ("regenerate", target)]

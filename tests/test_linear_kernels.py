@@ -99,7 +99,7 @@ def test_auto_packs_only_when_the_probe_says_onednn_is_clearly_faster(caplog):
 def test_the_probe_is_cached_per_machine_and_a_bad_cache_is_ignored(monkeypatch, caplog):
     target = tiny_target(layers=2)
     calls = []
-    monkeypatch.setattr(lk, "time_onednn_speedup", lambda model: calls.append(1) or 1.7)
+    monkeypatch.setattr(lk, "time_onednn_speedup", lambda model, rows: calls.append(rows) or 1.7)
     assert lk.onednn_speedup(target) == 1.7 and lk.onednn_speedup(target) == 1.7 and len(calls) == 1
     path = cm.cost_cache_dir() / "linear_kernel.json"
     assert list(json.loads(path.read_text()).values()) == [{"speedup": 1.7}]
@@ -108,6 +108,9 @@ def test_the_probe_is_cached_per_machine_and_a_bad_cache_is_ignored(monkeypatch,
         assert lk.onednn_speedup(target) == 1.7
     assert len(calls) == 2 and "ignoring unreadable linear-kernel cache" in caplog.text
     assert json.loads(path.read_text())  # rewritten whole
+    # Another workload's rows (regeneration's batch) is probed and cached under its own key.
+    assert lk.onednn_speedup(target, rows=(64,)) == 1.7 and lk.onednn_speedup(target, rows=(64,)) == 1.7
+    assert calls == [lk.PROBE_ROWS, lk.PROBE_ROWS, (64,)] and len(json.loads(path.read_text())) == 2
 
 
 def test_the_real_probe_times_both_kernels_and_leaves_the_model_unpacked():

@@ -190,16 +190,17 @@ def time_onednn_speedup(model: torch.nn.Module, rows: tuple[int, ...] = PROBE_RO
     return statistics.median(totals["default"]) / max(statistics.median(totals["onednn"]), 1e-9)
 
 
-def _probe_key(model: torch.nn.Module) -> str:
+def _probe_key(model: torch.nn.Module, rows: tuple[int, ...] = PROBE_ROWS) -> str:
     shapes = Counter((m.in_features, m.out_features) for m in _linears(model))
-    return f"{cpu_key()} | {next(model.parameters()).dtype} | {sorted(shapes.items())}"
+    key = f"{cpu_key()} | {next(model.parameters()).dtype} | {sorted(shapes.items())}"
+    return key if tuple(rows) == PROBE_ROWS else f"{key} | rows {list(rows)}"  # decode keys predate rows
 
 
-def onednn_speedup(model: torch.nn.Module, use_cache: bool = True) -> float:
-    """``time_onednn_speedup(model)``, cached in ``linear_kernel.json`` beside the cost models (an unreadable
-    cache is ignored with a warning and measured again)."""
-    return cached_speedup(cost_cache_dir() / "linear_kernel.json", _probe_key(model),
-                          lambda: time_onednn_speedup(model), "linear-kernel", use_cache)
+def onednn_speedup(model: torch.nn.Module, use_cache: bool = True, rows: tuple[int, ...] = PROBE_ROWS) -> float:
+    """``time_onednn_speedup(model, rows)``, cached in ``linear_kernel.json`` beside the cost models (an
+    unreadable cache is ignored with a warning and measured again)."""
+    return cached_speedup(cost_cache_dir() / "linear_kernel.json", _probe_key(model, rows),
+                          lambda: time_onednn_speedup(model, rows), "linear-kernel", use_cache)
 
 
 def check_linear_kernel(kernel: str) -> None:
@@ -208,12 +209,15 @@ def check_linear_kernel(kernel: str) -> None:
 
 
 def use_linear_kernel(model: torch.nn.Module, kernel: str = "auto",
-                      probe: Callable[[torch.nn.Module], float] | None = None) -> str:
+                      probe: Callable[[torch.nn.Module], float] | None = None,
+                      rows: tuple[int, ...] = PROBE_ROWS) -> str:
     """Put ``model``'s CPU linear layers on ``kernel`` -> the kernel now in use ("onednn" or "default").
 
-    "auto": oneDNN where ``probe(model)`` (default: ``onednn_speedup``, timed once per machine and cached)
-    is at least ``ONEDNN_MIN_SPEEDUP``; models off the CPU, or torch builds without oneDNN, stay on the
-    default. "onednn" packs whatever the speed (a CPU model is required); "default" unpacks.
+    "auto": oneDNN where ``probe(model)`` (default: ``onednn_speedup`` over the model's layers at each of
+    ``rows`` rows, timed once per machine and cached; decoding's plain step and widest verify unless the
+    caller's workload is another, e.g. regeneration's batch) is at least ``ONEDNN_MIN_SPEEDUP``; models off
+    the CPU, or torch builds without oneDNN, stay on the default. "onednn" packs whatever the speed (a CPU
+    model is required); "default" unpacks.
     """
     check_linear_kernel(kernel)
     parameter = next(model.parameters(), None)
@@ -232,10 +236,10 @@ def use_linear_kernel(model: torch.nn.Module, kernel: str = "auto",
     if not on_cpu or not _onednn_available():
         return "default"
     unpack_linears(model)
-    speedup = (probe or onednn_speedup)(model)
+    speedup = probe(model) if probe is not None else onednn_speedup(model, rows=tuple(rows))
     chosen = "onednn" if speedup >= ONEDNN_MIN_SPEEDUP else "default"
     if chosen == "onednn":
         pack_linears(model)
-    logger.info("linear kernel auto (%s): oneDNN %.2fx the default over a step and a verify -> %s",
-                type(model).__name__, speedup, chosen)
+    logger.info("linear kernel auto (%s): oneDNN %.2fx the default over %s rows -> %s",
+                type(model).__name__, speedup, "+".join(map(str, rows)), chosen)
     return chosen

@@ -99,8 +99,13 @@ def _load_prompts(source: str | None, seed: int, tokenizer=None):
 
 # ---------------------------------------------------------------------- regenerate
 def cmd_regenerate(args) -> int:
+    from ..linear_kernels import check_linear_kernel, use_linear_kernel
     from .regenerate import regenerate
 
+    try:
+        check_linear_kernel(args.linear_kernel)
+    except ValueError as error:
+        raise SystemExit(f"--linear-kernel: {error}") from None
     config = RegenerationConfig(
         max_prompt_tokens=args.max_prompt_tokens,
         max_new_tokens=args.max_new_tokens,
@@ -125,6 +130,8 @@ def cmd_regenerate(args) -> int:
     prompts = prompts[args.skip :]
     if not followups:
         target, tokenizer, _ = _load_target(args, args.mixed_precision)
+    # Probed at the batch's own row count: a regeneration step multiplies one row per running prompt.
+    use_linear_kernel(target, args.linear_kernel, rows=(config.batch_size,))
     regenerate(target, tokenizer, prompts, args.output, config, max_records=args.limit)
     return 0
 
@@ -152,6 +159,9 @@ def _register_regenerate(sub) -> None:
     p.add_argument("--temperature", type=float, default=d["temperature"])
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
+    p.add_argument("--linear-kernel", default="auto",
+                   help="CPU linear layers: oneDNN with packed weights, PyTorch's default, or auto (timed once at "
+                   "--batch-size rows and cached; oneDNN where it is 1.1x faster)")
     p.set_defaults(func=cmd_regenerate)
 
 
