@@ -31,11 +31,12 @@ def toy_sequences(n=8, length=40, vocab=64, seed=0):
     return out
 
 
-def make_trainer(tmp_path, steps=6, dflash2=True, sequences=None, **overrides):
+def make_trainer(tmp_path, steps=6, dflash2=True, sequences=None, layers=2, target_layer_ids=None, **overrides):
     target = tiny_target(vocab_size=64)
     with torch.no_grad():  # a random tiny LM head has tiny weights; a real one's logits span tens of nats
         target.lm_head.weight.mul_(25.0)
-    drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, randomize=False)
+    drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, randomize=False, layers=layers,
+                           target_layer_ids=target_layer_ids)
     settings = dict(
         output_dir=str(tmp_path),
         steps=steps,
@@ -141,6 +142,35 @@ def test_init_from_a_saved_head_computes_what_the_head_computed(tmp_path):
     wrong = make_trainer(tmp_path / "c", steps=3, dflash2=False)
     with pytest.raises(ValueError, match="does not match this run's shape"):
         wrong.initialize_from(head)
+
+
+def test_init_from_grows_a_head_that_computes_what_it_computed(tmp_path):
+    """A run with more layers than its source starts from the source grown (new layers copy the last with
+    their residual outputs zeroed): the same loss on the same blocks, from a run or a saved head; training
+    then moves the new layers. Fewer layers than the source are refused."""
+    from hf_dflash2.training.trainer import RESIDUAL_OUTPUTS, grown_drafter_weights
+
+    source = make_trainer(tmp_path / "a", steps=4)
+    source.train()
+    head = source.save_head(tmp_path / "head")
+    reference = source.sequence_loss(0, 1000)[0].item()  # past the logit ramp
+    tapped = source.accelerator.unwrap_model(source.drafter).config.target_layer_ids  # a 3-layer default taps 3
+    for init in (tmp_path / "a", head):
+        grown = make_trainer(tmp_path / f"grown_{init.name}", steps=3, layers=3, target_layer_ids=tapped)
+        assert abs(grown.sequence_loss(0, 1000)[0].item() - reference) > 1e-4  # a fresh 3-layer head differs
+        grown.initialize_from(init)
+        assert grown.sequence_loss(0, 1000)[0].item() == pytest.approx(reference, rel=1e-5, abs=1e-6), init
+        weights = grown.accelerator.unwrap_model(grown.drafter).state_dict()
+        assert all(not weights[f"layers.2.{name}"].any() for name in RESIDUAL_OUTPUTS)
+        assert torch.equal(weights["layers.2.mlp.up_proj.weight"], weights["layers.1.mlp.up_proj.weight"])
+    grown.train()
+    weights = grown.accelerator.unwrap_model(grown.drafter).state_dict()
+    assert all(weights[f"layers.2.{name}"].any() for name in RESIDUAL_OUTPUTS)  # the new layer learns
+    shrunk = make_trainer(tmp_path / "c", steps=3, layers=1, target_layer_ids=tapped)
+    with pytest.raises(ValueError, match="num_hidden_layers is 2, this run's is 1"):
+        shrunk.initialize_from(head)
+    with pytest.raises(ValueError, match="cannot grow 3 layers to 2"):
+        grown_drafter_weights({}, 3, 2)
 
 
 def test_standardized_features_fold_into_the_saved_head(tmp_path):

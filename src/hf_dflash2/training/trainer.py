@@ -181,6 +181,29 @@ def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     return torch.where(rms > 0, rms.clamp_min(floor), torch.ones_like(rms))
 
 
+# The projections that write a decoder layer's two sublayers into the residual stream: zeroed, the layer
+# adds nothing (the convolutions around them are linear in their input).
+RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+
+
+def grown_drafter_weights(weights: dict[str, torch.Tensor], layers: int, grown_layers: int) -> dict[str, torch.Tensor]:
+    """A drafter state dict of ``layers`` decoder layers grown to ``grown_layers``: each new layer copies the
+    last one (its attention, MLP, norms and convolutions start trained, not random), with its residual
+    outputs (``RESIDUAL_OUTPUTS``) zeroed, so the grown drafter's output equals the original's exactly;
+    gradients reach the zeroed projections from the first step (their inputs are not zero)."""
+    if not 0 < layers <= grown_layers:
+        raise ValueError(f"cannot grow {layers} layers to {grown_layers}")
+    last = f"layers.{layers - 1}."
+    grown = dict(weights)
+    for index in range(layers, grown_layers):
+        for name, tensor in weights.items():
+            if name.startswith(last):
+                suffix = name[len(last):]
+                copy = tensor.detach().clone()
+                grown[f"layers.{index}.{suffix}"] = copy.zero_() if suffix in RESIDUAL_OUTPUTS else copy
+    return grown
+
+
 class Trainer:
     def __init__(
         self,
@@ -463,7 +486,11 @@ class Trainer:
         drafter, its draft vocabulary (when this run restricts the vocabulary) and, from a run, its feature
         scale come from ``source``; optimizer, schedule, step and history start fresh, and there is no logit
         ramp (the head is trained already). Everything is checked before anything changes: the drafter's
-        shape, its tapped layers and block size, and (from a run) the feature standardization."""
+        shape, its tapped layers and block size, and (from a run) the feature standardization.
+
+        A run with more layers than ``source`` grows it (``grown_drafter_weights``): the new layers start as
+        copies of the last one with their output projections zeroed, so the grown head computes exactly what
+        ``source`` computed and training starts from it, not from a fresh head."""
         path = Path(source)
         checkpoint_files = [path / name for name in ("checkpoint.pt", "checkpoint.rank0.pt")]
         if path.is_dir() and (path / "config.json").exists() and not any(f.exists() for f in checkpoint_files):
@@ -479,6 +506,7 @@ class Trainer:
         except Exception as error:  # a file that is not one of our checkpoints
             kind = type(error).__name__
             raise ValueError(f"--init-from {path}: not a training checkpoint ({kind}: {error})") from None
+        weights = state["drafter"] = self._grown(path, source_config, weights)
         self._check_source_shape(path, source_config, weights)
         standardized = state.get("feature_scale") is not None
         if standardized != self.config.standardize_features:
@@ -500,6 +528,7 @@ class Trainer:
         except Exception as error:  # a folder that is not a loadable head
             raise ValueError(f"--init-from {folder}: not a saved head ({type(error).__name__}: {error})") from None
         weights = {name: tensor.detach().clone() for name, tensor in head.state_dict().items()}
+        weights = self._grown(folder, head.config.to_dict(), weights)
         self._check_source_shape(folder, head.config.to_dict(), weights)
         if self.feature_scale is not None:  # in fp32: a bf16 head's fc is not rounded a second time
             weights["fc.weight"] = weights["fc.weight"].float() * self.feature_scale.float().cpu()[None]
@@ -513,12 +542,24 @@ class Trainer:
         self.initialized_from = {"head": str(folder), "step": steps}
         logger.info("initialized from the saved head %s", folder)
 
+    def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
+        """``weights`` grown to this run's layer count when the run has more layers than the source."""
+        theirs = source_config.get("num_hidden_layers")
+        mine = self.accelerator.unwrap_model(self.drafter).config.num_hidden_layers
+        if not isinstance(theirs, int) or theirs >= mine:
+            return weights  # equal, or fewer here: _check_source_shape names the mismatch
+        logger.info("--init-from %s: growing its %d layers to %d (new layers copy the last, outputs zeroed)",
+                    path, theirs, mine)
+        return grown_drafter_weights(weights, theirs, mine)
+
     def _check_source_shape(self, path: Path, source_config: dict, weights: dict) -> None:
         drafter = self.accelerator.unwrap_model(self.drafter)
         ours = drafter.config.to_dict()
         for name in ("target_layer_ids", "block_size", "hidden_size", "vocab_size", "num_hidden_layers"):
             theirs = source_config.get(name, (source_config.get("dflash_config") or {}).get(name))
             mine = ours.get(name, (ours.get("dflash_config") or {}).get(name))
+            if name == "num_hidden_layers" and isinstance(theirs, int) and theirs < mine:
+                continue  # grown by _grown
             if theirs != mine:
                 raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}")
         expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
