@@ -49,11 +49,11 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def onednn_linear(weight: torch.Tensor, rows_hint: int = PROBE_ROWS[-1]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> F.linear(x, weight)`` through oneDNN with ``weight`` packed once; RuntimeError where this CPU
-    cannot pack its dtype (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
+def onednn_linear(weight: torch.Tensor, rows_hint: int = PROBE_ROWS[-1]) -> Callable[..., torch.Tensor]:
+    """``(x, bias=None) -> F.linear(x, weight, bias)`` through oneDNN with ``weight`` packed once;
+    RuntimeError where this CPU cannot pack its dtype (bf16 needs AVX-512 or AVX-NE-CONVERT)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return lambda x, bias=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def decode_probe_kernels(linear_kernel: str) -> tuple[str, ...]:
@@ -79,7 +79,7 @@ class PackedLinearForward:
     def __init__(self, module: torch.nn.Linear, rows_hint: int = PROBE_ROWS[-1]):
         weight = module.weight
         self.module = weakref.ref(module)
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows_hint)
+        self.packed_linear = onednn_linear(weight, rows_hint)
         self.dtype, self.data_ptr, self.version = weight.dtype, weight.data_ptr(), _version(weight)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinearForward":
@@ -100,7 +100,7 @@ class PackedLinearForward:
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return self.packed_linear(x, bias)
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:

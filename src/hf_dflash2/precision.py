@@ -104,21 +104,23 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
     from .linear_kernels import ONEDNN_MIN_SPEEDUP, onednn_linear  # imported here: linear_kernels imports us
 
     dtypes = (torch.float32, torch.bfloat16)
-    packable = {dtype: "onednn" in kernels for dtype in dtypes}
+    pairs = [(dtype, kernel) for dtype in dtypes for kernel in kernels]
+    for dtype in dtypes:
+        if "onednn" in kernels:
+            try:
+                onednn_linear(torch.zeros(8, 8, dtype=dtype))
+            except RuntimeError as error:  # e.g. bf16 packing on a CPU without AVX-512
+                logger.info("decode probe: oneDNN cannot pack %s here (%s)", dtype, error)
+                pairs.remove((dtype, "onednn"))
     totals: dict[tuple, float] = {}
     for (fan_in, fan_out), count in decoder_matrices(config).items():
         functions = {}
         for dtype in dtypes:
             weight = torch.randn(fan_out, fan_in).to(dtype)  # once per shape
-            if "default" in kernels:
-                functions[dtype, "default"] = lambda x, w=weight: torch.nn.functional.linear(x, w)
-            if packable[dtype]:
-                try:
-                    functions[dtype, "onednn"] = onednn_linear(weight)
-                except RuntimeError as error:  # e.g. bf16 packing on a CPU without AVX-512
-                    logger.info("decode probe: oneDNN cannot pack %s here (%s)", dtype, error)
-                    packable[dtype] = False
-                    totals = {k: v for k, v in totals.items() if k[1:] != (dtype, "onednn")}
+            for kernel in kernels:
+                if (dtype, kernel) in pairs:
+                    functions[dtype, kernel] = (onednn_linear(weight) if kernel == "onednn"
+                                                else lambda x, w=weight: torch.nn.functional.linear(x, w))
         for n in rows:
             inputs = {dtype: torch.randn(n, fan_in).to(dtype) for dtype in dtypes}
             samples = {pair: [] for pair in functions}
@@ -150,8 +152,6 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
 def decode_bf16_is_faster(speedups: list[float]) -> bool:
     """The decode rule over ``time_decode_speedups``' (one row, verify rows) figures."""
     return speedups[0] >= BF16_MIN_STEP_SPEEDUP and min(speedups[1:], default=0.0) >= BF16_MIN_SPEEDUP
-
-
 
 
 def cpu_key() -> str:
