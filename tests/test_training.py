@@ -31,12 +31,13 @@ def toy_sequences(n=8, length=40, vocab=64, seed=0):
     return out
 
 
-def make_trainer(tmp_path, steps=6, dflash2=True, sequences=None, layers=2, target_layer_ids=None, **overrides):
+def make_trainer(tmp_path, steps=6, dflash2=True, sequences=None, layers=2, target_layer_ids=None, selector_rank=16,
+                 **overrides):
     target = tiny_target(vocab_size=64)
     with torch.no_grad():  # a random tiny LM head has tiny weights; a real one's logits span tens of nats
         target.lm_head.weight.mul_(25.0)
     drafter = tiny_drafter(target, dflash2=dflash2, block_size=4, randomize=False, layers=layers,
-                           target_layer_ids=target_layer_ids)
+                           target_layer_ids=target_layer_ids, selector_rank=selector_rank)
     settings = dict(
         output_dir=str(tmp_path),
         steps=steps,
@@ -171,6 +172,41 @@ def test_init_from_grows_a_head_that_computes_what_it_computed(tmp_path):
         shrunk.initialize_from(head)
     with pytest.raises(ValueError, match="cannot grow 3 layers to 2"):
         grown_drafter_weights({}, 3, 2)
+
+
+def test_init_from_prunes_the_selector_to_a_smaller_rank(tmp_path):
+    """A run with a smaller selector rank keeps the source's strongest coordinates: coordinates whose
+    successor column is zero add nothing, so when exactly those are dropped the loss is unchanged, and a
+    run that kept them instead would differ. A larger rank than the source's is refused."""
+    from hf_dflash2.training.trainer import SELECTOR_FACTORS, pruned_selector_weights
+
+    source = make_trainer(tmp_path / "a", steps=4)
+    source.train()
+    drafter = source.accelerator.unwrap_model(source.drafter)
+    dead = torch.tensor([1, 4, 6, 9, 13, 15])
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook[:, dead] = 0
+    reference = source.sequence_loss(0, 1000)[0].item()
+    head = source.save_head(tmp_path / "head")
+    pruned = make_trainer(tmp_path / "b", steps=3, selector_rank=10)
+    pruned.initialize_from(head)
+    assert pruned.sequence_loss(0, 1000)[0].item() == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    weights = pruned.accelerator.unwrap_model(pruned.drafter).state_dict()
+    assert weights["candidate_selector.successor_codebook"].shape[1] == 10
+    assert weights["candidate_selector.successor_codebook"].abs().sum(0).min() > 0  # the dead ones went
+    source_weights = drafter.state_dict()
+    kept = [r for r in range(16) if r not in dead.tolist()]
+    for name in SELECTOR_FACTORS:
+        sliced = source_weights[name][kept] if name.endswith("projection.weight") else source_weights[name][:, kept]
+        assert torch.equal(weights[name], sliced.to(weights[name].dtype)), name
+    wrong = dict(source_weights)
+    wrong_kept = pruned_selector_weights(wrong, 16)  # the identity at the same rank
+    assert all(torch.equal(wrong_kept[name], source_weights[name]) for name in SELECTOR_FACTORS)
+    with pytest.raises(ValueError, match="rank 16 to rank 17"):
+        pruned_selector_weights(wrong, 17)
+    larger = make_trainer(tmp_path / "c", steps=3, selector_rank=24)
+    with pytest.raises(ValueError, match="does not match this run's shape"):
+        larger.initialize_from(head)
 
 
 def test_standardized_features_fold_into_the_saved_head(tmp_path):

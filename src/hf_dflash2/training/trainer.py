@@ -204,6 +204,28 @@ def grown_drafter_weights(weights: dict[str, torch.Tensor], layers: int, grown_l
     return grown
 
 
+SELECTOR_FACTORS = ("candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight",
+                    "candidate_selector.successor_codebook")
+
+
+def pruned_selector_weights(weights: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """A drafter state dict whose path selector keeps its ``rank`` strongest coordinates. Coordinate r adds
+    ``A[a, r] * P_r(h) * B[b, r]`` to every pair score (``DFlash2CandidateSelector``); its strength is the
+    product of the norms of its three factors (A's column, P's row, B's column). A coordinate with a zero
+    factor adds nothing, so pruning only such coordinates leaves the head's outputs unchanged. Why: the two
+    ``[V, rank]`` codebooks are most of a head's bytes, and a smaller rank makes room for a layer."""
+    predecessor, projection, successor = (weights[name] for name in SELECTOR_FACTORS)
+    if not 0 < rank <= predecessor.shape[1]:
+        raise ValueError(f"cannot prune a selector of rank {predecessor.shape[1]} to rank {rank}")
+    strength = predecessor.float().norm(dim=0) * projection.float().norm(dim=1) * successor.float().norm(dim=0)
+    keep = strength.topk(rank).indices.sort().values
+    pruned = dict(weights)
+    pruned[SELECTOR_FACTORS[0]] = predecessor[:, keep].clone()
+    pruned[SELECTOR_FACTORS[1]] = projection[keep].clone()
+    pruned[SELECTOR_FACTORS[2]] = successor[:, keep].clone()
+    return pruned
+
+
 class Trainer:
     def __init__(
         self,
@@ -490,7 +512,8 @@ class Trainer:
 
         A run with more layers than ``source`` grows it (``grown_drafter_weights``): the new layers start as
         copies of the last one with their output projections zeroed, so the grown head computes exactly what
-        ``source`` computed and training starts from it, not from a fresh head."""
+        ``source`` computed and training starts from it, not from a fresh head. A run with a smaller selector
+        rank keeps the source selector's strongest coordinates (``pruned_selector_weights``)."""
         path = Path(source)
         checkpoint_files = [path / name for name in ("checkpoint.pt", "checkpoint.rank0.pt")]
         if path.is_dir() and (path / "config.json").exists() and not any(f.exists() for f in checkpoint_files):
@@ -543,14 +566,21 @@ class Trainer:
         logger.info("initialized from the saved head %s", folder)
 
     def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
-        """``weights`` grown to this run's layer count when the run has more layers than the source."""
-        theirs = source_config.get("num_hidden_layers")
-        mine = self.accelerator.unwrap_model(self.drafter).config.num_hidden_layers
-        if not isinstance(theirs, int) or theirs >= mine:
-            return weights  # equal, or fewer here: _check_source_shape names the mismatch
-        logger.info("--init-from %s: growing its %d layers to %d (new layers copy the last, outputs zeroed)",
-                    path, theirs, mine)
-        return grown_drafter_weights(weights, theirs, mine)
+        """``weights`` grown to this run's layer count when the run has more layers than the source, and its
+        selector pruned to this run's rank when the run's is smaller (a smaller head with a deeper stack)."""
+        config = self.accelerator.unwrap_model(self.drafter).config
+        theirs, mine = source_config.get("num_hidden_layers"), config.num_hidden_layers
+        if isinstance(theirs, int) and theirs < mine:  # more here: grown; fewer: _check_source_shape refuses
+            logger.info("--init-from %s: growing its %d layers to %d (new layers copy the last, outputs zeroed)",
+                        path, theirs, mine)
+            weights = grown_drafter_weights(weights, theirs, mine)
+        theirs = weights.get(SELECTOR_FACTORS[0])
+        mine = config.selector_rank if config.use_selector else None
+        if theirs is not None and mine is not None and mine < theirs.shape[1]:
+            logger.info("--init-from %s: pruning its selector from rank %d to its %d strongest coordinates",
+                        path, theirs.shape[1], mine)
+            weights = pruned_selector_weights(weights, mine)
+        return weights
 
     def _check_source_shape(self, path: Path, source_config: dict, weights: dict) -> None:
         drafter = self.accelerator.unwrap_model(self.drafter)
