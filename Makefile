@@ -281,16 +281,20 @@ regenerate-smollm2-s20: setup
 
 # Session 21: the committed head grown to 3 layers (`train --init-from` copies its last layer with the residual
 # outputs zeroed, so training starts from exactly the committed head) and trained on whatever
-# regenerate-smollm2-s20 holds (first-turn responses and code completions; up to 832 tokens per sequence).
+# regenerate-smollm2-s20 holds (first-turn responses and code completions), topped up with ShareGPT's own text
+# (a prefill is ~8x cheaper per token than regenerating; KL labels are the target's own distribution either way)
+# to GROW_STORE_TOKENS; up to 832 tokens per sequence.
 # The selector is pruned from rank 128 to its 96 strongest coordinates: its [V, rank] codebooks are most of the
 # head's bytes, and the freed 6.3 MB make room for the layer (7.1 MB) in the 64 MiB tracked tree.
 # Each stage resumes; the head replaces the committed one only if it wins on held-out tau.
 GROW_RECIPE = $(subst --selector-rank 128,--selector-rank 96,$(subst --layers 2,--layers 3,$(FINETUNE_RECIPE))) \
 	--target-layer-ids 1,7,14,20,27
 GROW_STEPS ?= 4000
+GROW_STORE_TOKENS ?= 1500000
 grow-smollm2-s21: setup
-	$(VENV)/bin/hf-dflash2 store --output data/store_s21 --source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl \
-		--target-layer-ids 1,7,14,20,27 --max-tokens 4000000 --max-length 832
+	$(VENV)/bin/hf-dflash2 store --output data/store_s21 \
+		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl,sharegpt \
+		--target-layer-ids 1,7,14,20,27 --max-tokens $(GROW_STORE_TOKENS) --max-length 832
 	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
 		--output runs/grow3_s21 --steps $(GROW_STEPS) $(GROW_RECIPE) --stop-after-minutes 55 --resume
 	$(PY) -m hf_dflash2.training.export runs/grow3_s21 runs/grow3_s21/export
