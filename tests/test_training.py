@@ -199,11 +199,10 @@ def test_init_from_prunes_the_selector_to_a_smaller_rank(tmp_path):
     for name in SELECTOR_FACTORS:
         sliced = source_weights[name][kept] if name.endswith("projection.weight") else source_weights[name][:, kept]
         assert torch.equal(weights[name], sliced.to(weights[name].dtype)), name
-    wrong = dict(source_weights)
-    wrong_kept = pruned_selector_weights(wrong, 16)  # the identity at the same rank
-    assert all(torch.equal(wrong_kept[name], source_weights[name]) for name in SELECTOR_FACTORS)
+    same_rank = pruned_selector_weights(source_weights, 16)  # the identity at the source's own rank
+    assert all(torch.equal(same_rank[name], source_weights[name]) for name in SELECTOR_FACTORS)
     with pytest.raises(ValueError, match="rank 16 to rank 17"):
-        pruned_selector_weights(wrong, 17)
+        pruned_selector_weights(source_weights, 17)
     larger = make_trainer(tmp_path / "c", steps=3, selector_rank=24)
     with pytest.raises(ValueError, match="does not match this run's shape"):
         larger.initialize_from(head)
