@@ -308,17 +308,16 @@ grow-smollm2-s21: store-smollm2-s21
 # Session 22's control for the grown head: the committed head's own shape (2 layers, rank 128), 1,500 steps on
 # the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: within noise, so not committed.
 # The higher-rate arm: make finetune-smollm2-s22 S22_LR=1e-3 S22_STEPS=1000 S22_NAME=s22_lr1e3 (1.99 / 1.44, worse).
-# (argparse keeps the last --lr, so S22_LR overrides the recipe's.)
 S22_LR ?= 3e-4
 S22_STEPS ?= 1500
 S22_NAME ?= s22
 finetune-smollm2-s22: store-smollm2-s21
 	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
-		--output runs/finetune_$(S22_NAME) --steps $(S22_STEPS) $(FINETUNE_RECIPE) --lr $(S22_LR) \
+		--output runs/finetune_$(S22_NAME) --steps $(S22_STEPS) $(subst --lr 3e-4,--lr $(S22_LR),$(FINETUNE_RECIPE)) \
 		--target-layer-ids 1,7,14,20,27 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S22_NAME) runs/finetune_$(S22_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S22_NAME)/export --prompts 32 \
-		--tokens 64 --output benchmarks/results/heldout_tau_round$(subst s,,$(S22_NAME)).json
+		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S22_NAME)).json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
