@@ -288,7 +288,7 @@ regenerate-smollm2-s20: setup
 # head's bytes, and the freed 6.3 MB make room for the layer (7.1 MB) in the 64 MiB tracked tree.
 # Each stage resumes; the head replaces the committed one only if it wins on held-out tau.
 # Session 22 ran it (GROW_STEPS 2200, ~1 hour on 2 AMX cores): held-out tau 2.04 / 1.53 against the committed
-# head's 2.05 / 1.47, a tie; the committed head stays (docs/results-log.md).
+# head's 2.05 / 1.47; not adopted (docs/results-log.md).
 GROW_RECIPE = $(subst --selector-rank 128,--selector-rank 96,$(subst --layers 2,--layers 3,$(FINETUNE_RECIPE))) \
 	--target-layer-ids 1,7,14,20,27
 GROW_STEPS ?= 2200
@@ -306,7 +306,7 @@ grow-smollm2-s21: store-smollm2-s21
 		--output benchmarks/results/heldout_tau_round21.json
 
 # Session 22's control for the grown head: the committed head's own shape (2 layers, rank 128), 1,500 steps on
-# the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: within noise, so not committed.
+# the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: a small win, not yet adopted (results log).
 # The higher-rate arm: make finetune-smollm2-s22 S22_LR=1e-3 S22_STEPS=1000 S22_NAME=s22_lr1e3 (1.99 / 1.44, worse).
 S22_LR ?= 3e-4
 S22_STEPS ?= 1500
