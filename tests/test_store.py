@@ -84,6 +84,22 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "nothing")
 
 
+def test_store_sequences_keep_only_the_chosen_records(tmp_path):
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=6)
+    for i, record in enumerate(records):
+        record["id"] = f"{'regen' if i % 3 == 0 else 'sharegpt'}/{i}"
+    store = build_store(
+        target, records, FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_batch=48, tokens_per_shard=30
+    )
+    assert len(store.shards) > 1
+    kept = store_sequences(store, 512, ["regen/"])
+    assert sorted(store[s["store_index"]]["id"] for s in kept) == ["regen/0", "regen/3"]
+    assert len(store_sequences(store, 512)) == 6
+    with pytest.raises(ValueError, match=r"'code/'.*'regen/', 'sharegpt/'"):
+        store_sequences(store, 512, ["regen/", "code/"])
+
+
 def test_a_torn_index_line_is_dropped(tmp_path):
     target = tiny_target(vocab_size=64)
     build_store(target, random_records(n=4), FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_shard=10)

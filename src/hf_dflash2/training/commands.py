@@ -261,6 +261,9 @@ def cmd_train(args) -> int:
     source = args.data or args.store
     if not Path(source).exists():
         raise SystemExit(f"{source}: no such file or folder (run `hf-dflash2 regenerate` or `hf-dflash2 store` first)")
+    record_prefixes = [p.strip() for p in args.records.split(",") if p.strip()] if args.records else None
+    if record_prefixes is not None and args.store is None:
+        raise SystemExit(f"--records {args.records!r} selects records of a --store; --data has no record ids")
     if args.threads:
         torch.set_num_threads(args.threads)
     precision = resolve_precision(args.mixed_precision)
@@ -297,7 +300,15 @@ def cmd_train(args) -> int:
         from .store import FeatureStore
 
         store = FeatureStore(args.store)
-        sequences = store_sequences(store, args.max_length)
+        try:
+            sequences = store_sequences(store, args.max_length, record_prefixes)
+        except ValueError as error:
+            raise SystemExit(f"hf-dflash2 train: {error}") from None
+        config.extra["data"] = f"feature store {args.store} ({store.num_tokens:,} target tokens)" + (
+            f", only its records starting with {', '.join(record_prefixes)} ({len(sequences):,} sequences)"
+            if record_prefixes
+            else ""
+        )
         layer_ids = store.meta.target_layer_ids
         if args.target_layer_ids and _layer_ids(args.target_layer_ids) != layer_ids:
             raise SystemExit(f"--target-layer-ids {args.target_layer_ids} differ from the store's {layer_ids}")
@@ -391,6 +402,9 @@ def _register_train(sub) -> None:
     p.add_argument("--loss-positions", type=int, default=d["loss_positions"])
     p.add_argument("--max-length", type=int, default=d["max_length"])
     p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--records", default=None,
+                   help="with --store: train only on records whose id starts with one of these comma-separated "
+                   "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text)")
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
     # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code

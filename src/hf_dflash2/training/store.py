@@ -190,6 +190,10 @@ class FeatureStore:
             "topk_logprobs": torch.from_numpy(np.array(arrays["topk_logprobs"][start:end], dtype=np.float32)),
         }
 
+    def sequence_ids(self) -> list[str]:
+        """Every sequence's record id (``regen/...``, ``sharegpt/...``), in index order."""
+        return [record_id for shard in self.shards for record_id in shard["ids"]]
+
     def sequence_lengths(self) -> list[tuple[int, int]]:
         """(length, response_start) of every sequence, without touching the arrays."""
         out = []

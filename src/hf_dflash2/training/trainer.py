@@ -100,10 +100,23 @@ def load_sequences(path: str | Path, max_length: int) -> list[dict]:
     return sequences
 
 
-def store_sequences(store, max_length: int) -> list[dict]:
-    """The store's sequences as ``{"store_index", "num_tokens", "response_start"}`` (arrays stay on disk)."""
+def store_sequences(store, max_length: int, record_prefixes: list[str] | None = None) -> list[dict]:
+    """The store's sequences as ``{"store_index", "num_tokens", "response_start"}`` (arrays stay on disk).
+
+    ``record_prefixes`` keeps only the records whose id starts with one of them (``["regen/"]``: the target's
+    own responses, the text speculative decoding meets)."""
+    record_ids = store.sequence_ids()
+    if record_prefixes:
+        unmatched = [p for p in record_prefixes if not any(r.startswith(p) for r in record_ids)]
+        if unmatched:
+            kinds = sorted({r.split("/", 1)[0] + "/" for r in record_ids})
+            raise ValueError(
+                f"store {store.root}: no record id starts with {unmatched} (its records start with {kinds})"
+            )
     sequences = []
     for index, (length, response_start) in enumerate(store.sequence_lengths()):
+        if record_prefixes and not record_ids[index].startswith(tuple(record_prefixes)):
+            continue
         length = min(length, max_length)
         if length - response_start >= 2:
             sequences.append({"store_index": index, "num_tokens": length, "response_start": response_start})
