@@ -323,11 +323,12 @@ finetune-smollm2-s22: store-smollm2-s21
 # target's own ShareGPT responses and code completions, ~300K tokens, 1,920 sequences): the text that
 # speculative decoding meets, against a mix that is 70 % ShareGPT's own text. 900 steps ~ one epoch, ~22 min.
 S23_STEPS ?= 900
+S23_SEED ?= 0
 S23_LABELS ?= kl
 S23_NAME ?= s23_regen
 finetune-smollm2-s23: store-smollm2-s21
 	$(VENV)/bin/hf-dflash2 train --store data/store_s21 --records regen/ --init-from heads/smollm2-135m-dflash2 \
-		--max-length 832 --output runs/finetune_$(S23_NAME) --steps $(S23_STEPS) \
+		--max-length 832 --output runs/finetune_$(S23_NAME) --steps $(S23_STEPS) --seed $(S23_SEED) \
 		$(subst --label-source kl,--label-source $(S23_LABELS),$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S23_NAME) runs/finetune_$(S23_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S23_NAME)/export --prompts 32 \
