@@ -84,7 +84,7 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "nothing")
 
 
-def test_store_sequences_keep_only_the_chosen_records(tmp_path):
+def test_store_sequences_keep_only_the_chosen_records(tmp_path, monkeypatch):
     target = tiny_target(vocab_size=64)
     records = random_records(n=6)
     for i, record in enumerate(records):
@@ -98,6 +98,22 @@ def test_store_sequences_keep_only_the_chosen_records(tmp_path):
     assert len(store_sequences(store, 512)) == 6
     with pytest.raises(ValueError, match=r"'code/'.*'regen/', 'sharegpt/'"):
         store_sequences(store, 512, ["regen/", "code/"])
+
+    from hf_dflash2 import assets
+    from hf_dflash2.cli import main
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load before --records is checked")
+
+    monkeypatch.setattr(assets, "load_target", no_target)
+    train = ["train", "--output", str(tmp_path / "run"), "--mixed-precision", "fp32"]
+    with pytest.raises(SystemExit, match=r"'code/'.*'regen/', 'sharegpt/'"):
+        main([*train, "--store", str(tmp_path / "s"), "--records", "code/"])
+    with pytest.raises(SystemExit, match="--records ' , '"):
+        main([*train, "--store", str(tmp_path / "s"), "--records", " , "])
+    (tmp_path / "regen.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="--data has no record ids"):
+        main([*train, "--data", str(tmp_path / "regen.jsonl"), "--records", "regen/"])
 
 
 def test_a_torn_index_line_is_dropped(tmp_path):

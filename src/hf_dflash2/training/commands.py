@@ -261,9 +261,13 @@ def cmd_train(args) -> int:
     source = args.data or args.store
     if not Path(source).exists():
         raise SystemExit(f"{source}: no such file or folder (run `hf-dflash2 regenerate` or `hf-dflash2 store` first)")
-    record_prefixes = [p.strip() for p in args.records.split(",") if p.strip()] if args.records else None
-    if record_prefixes is not None and args.store is None:
-        raise SystemExit(f"--records {args.records!r} selects records of a --store; --data has no record ids")
+    record_prefixes = None
+    if args.records is not None:
+        record_prefixes = [p.strip() for p in args.records.split(",") if p.strip()]
+        if not record_prefixes:
+            raise SystemExit(f"--records {args.records!r}: give at least one record id prefix, e.g. regen/")
+        if args.store is None:
+            raise SystemExit(f"--records {args.records!r} selects records of a --store; --data has no record ids")
     if args.threads:
         torch.set_num_threads(args.threads)
     precision = resolve_precision(args.mixed_precision)
