@@ -322,6 +322,8 @@ finetune-smollm2-s22: store-smollm2-s21
 # Session 23: the committed head (session 22's) fine-tuned on the store's regenerated records only (the
 # target's own ShareGPT responses and code completions, ~300K tokens, 1,920 sequences): the text that
 # speculative decoding meets, against a mix that is 70 % ShareGPT's own text. 900 steps ~ one epoch, ~22 min.
+# Like every fine-tune here it starts from the committed head of its time: the arms of session 23 started from
+# session 22's head (git checkout a3f1209 -- heads/smollm2-135m-dflash2), the second epoch from the argmax one.
 S23_STEPS ?= 900
 S23_SEED ?= 0
 S23_LABELS ?= kl
