@@ -306,7 +306,7 @@ grow-smollm2-s21: store-smollm2-s21
 		--output benchmarks/results/heldout_tau_round21.json
 
 # Session 22's control for the grown head: the committed head's own shape (2 layers, rank 128), 1,500 steps on
-# the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: a small win, not yet adopted (results log).
+# the same store (~35 min). Held-out tau 2.08 / 1.49 against 2.05 / 1.47: a small win, adopted in session 23.
 # The higher-rate arm: make finetune-smollm2-s22 S22_LR=1e-3 S22_STEPS=1000 S22_NAME=s22_lr1e3 (1.99 / 1.44, worse).
 S22_LR ?= 3e-4
 S22_STEPS ?= 1500

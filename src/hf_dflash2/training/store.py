@@ -125,7 +125,7 @@ class FeatureStore:
 
     @property
     def record_ids(self) -> set[str]:
-        return {i for shard in self.shards for i in shard["ids"]}
+        return set(self.sequence_ids())
 
     # ------------------------------------------------------------------ writing
     def append(
