@@ -346,7 +346,8 @@ S24_SEED ?= 0
 S24_NAME ?= s24
 store-smollm2-s24: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
-		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832
+		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832 \
+		--max-tokens 2000000
 
 finetune-smollm2-s24: store-smollm2-s24
 	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --init-from heads/smollm2-135m-dflash2 \

@@ -84,6 +84,21 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "nothing")
 
 
+def test_a_token_cap_that_cuts_the_sources_short_says_so(tmp_path, caplog):
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=6)
+    cap = sum(len(r["input_ids"]) for r in records[:3])
+    with caplog.at_level("WARNING", logger="hf_dflash2.training.store"):
+        store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)), max_tokens=cap)
+    left_out_tokens = sum(len(r["input_ids"]) for r in records[3:])
+    assert len(store) == 3
+    assert f"leaves out 3 of the sources' records ({left_out_tokens} tokens)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hf_dflash2.training.store"):
+        build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)), max_tokens=10_000)
+    assert len(FeatureStore(tmp_path / "s")) == 6 and "leaves out" not in caplog.text
+
+
 def test_store_sequences_keep_only_the_chosen_records(tmp_path, monkeypatch):
     target = tiny_target(vocab_size=64)
     records = random_records(n=6)

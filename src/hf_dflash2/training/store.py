@@ -266,6 +266,17 @@ def build_store(
                 break
             kept.append(record)
             total += len(record["input_ids"])
+        if len(kept) < len(todo):
+            # A cap that cuts the sources short is silent otherwise, and the records left out come last
+            # (a source listed last can lose most of itself).
+            left_out = todo[len(kept) :]
+            logger.warning(
+                "store %s: max_tokens=%d leaves out %d of the sources' records (%d tokens); raise it to store them",
+                store.root,
+                max_tokens,
+                len(left_out),
+                sum(len(r["input_ids"]) for r in left_out),
+            )
         todo = kept
     # Length-sorted inside windows of records: little padding, and a partial store (a run stopped
     # early, or read while it grows) still covers every length in the given order.
