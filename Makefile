@@ -341,16 +341,21 @@ finetune-smollm2-s23: store-smollm2-s21
 # then one argmax epoch from the committed head (2,500 steps of 2 sequences over 5,056: session 23's adopted
 # recipe, scaled to the new data).
 # Each stage resumes; the head replaces the committed one only if it wins on held-out tau on both sets.
+# Session 24 ran it (2.08 / 1.51 against 2.14 / 1.50) and, from that head, a code epoch
+# (S24_NAME=s24_code S24_INIT=runs/finetune_s24/export S24_RECORDS=regen/python/ S24_STEPS=544: 2.21 / 1.48)
+# and half of one (S24_NAME=s24_code_half ... S24_STEPS=272: 2.15 / 1.49); none adopted (docs/results-log.md).
 S24_STEPS ?= 2500
 S24_SEED ?= 0
 S24_NAME ?= s24
+S24_INIT ?= heads/smollm2-135m-dflash2
+S24_RECORDS ?= regen/
 store-smollm2-s24: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
 		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832 \
 		--max-tokens 2000000
 
 finetune-smollm2-s24: store-smollm2-s24
-	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --init-from heads/smollm2-135m-dflash2 \
+	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --records $(S24_RECORDS) --init-from $(S24_INIT) \
 		--max-length 832 --output runs/finetune_$(S24_NAME) --steps $(S24_STEPS) --seed $(S24_SEED) \
 		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S24_NAME) runs/finetune_$(S24_NAME)/export
