@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +20,7 @@ from hf_dflash2 import linear_kernels, precision
 from hf_dflash2.speculative_dflash2 import tapped_features
 from hf_dflash2.training.losses import sparse_cross_entropy
 from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store
-from hf_dflash2.training.trainer import Trainer, TrainingConfig, store_sequences
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, parse_record_weights, store_sequences
 
 from .conftest import REPO, tiny_drafter, tiny_target
 
@@ -113,6 +115,13 @@ def test_store_sequences_keep_only_the_chosen_records(tmp_path, monkeypatch):
     assert len(store_sequences(store, 512)) == 6
     with pytest.raises(ValueError, match=r"'code/'.*'regen/', 'sharegpt/'"):
         store_sequences(store, 512, ["regen/", "code/"])
+    # A weight repeats a prefix's records per epoch; the longest matching prefix decides.
+    weighted = store_sequences(store, 512, parse_record_weights("regen/,regen/3=3,sharegpt/=2"))
+    counts = collections.Counter(store[s["store_index"]]["id"] for s in weighted)
+    assert counts == {"regen/0": 1, "regen/3": 3, "sharegpt/1": 2, "sharegpt/2": 2, "sharegpt/4": 2, "sharegpt/5": 2}
+    for bad in ["regen/=0", "regen/=two", "=2", "regen/=-1"]:
+        with pytest.raises(ValueError, match=re.escape(repr(bad.split(",")[-1]))):
+            parse_record_weights(bad)
 
     from hf_dflash2 import assets
     from hf_dflash2.cli import main
@@ -124,6 +133,8 @@ def test_store_sequences_keep_only_the_chosen_records(tmp_path, monkeypatch):
     train = ["train", "--output", str(tmp_path / "run"), "--mixed-precision", "fp32"]
     with pytest.raises(SystemExit, match=r"'code/'.*'regen/', 'sharegpt/'"):
         main([*train, "--store", str(tmp_path / "s"), "--records", "code/"])
+    with pytest.raises(SystemExit, match="'regen/=0' is not PREFIX or PREFIX=N"):
+        main([*train, "--store", str(tmp_path / "s"), "--records", "regen/=0"])
     with pytest.raises(SystemExit, match="--records ' , '"):
         main([*train, "--store", str(tmp_path / "s"), "--records", " , "])
     (tmp_path / "regen.jsonl").write_text("")

@@ -252,7 +252,7 @@ def cmd_train(args) -> int:
 
     from ..precision import PRECISION_CHOICES, resolve_precision
     from .regenerate import encode_prompts
-    from .trainer import Trainer, load_sequences, store_sequences
+    from .trainer import Trainer, load_sequences, parse_record_weights, store_sequences
 
     if args.mixed_precision not in PRECISION_CHOICES:
         raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
@@ -261,11 +261,12 @@ def cmd_train(args) -> int:
     source = args.data or args.store
     if not Path(source).exists():
         raise SystemExit(f"{source}: no such file or folder (run `hf-dflash2 regenerate` or `hf-dflash2 store` first)")
-    record_prefixes = None
+    record_weights = None
     if args.records is not None:
-        record_prefixes = [p.strip() for p in args.records.split(",") if p.strip()]
-        if not record_prefixes:
-            raise SystemExit(f"--records {args.records!r}: give at least one record id prefix, e.g. regen/")
+        try:
+            record_weights = parse_record_weights(args.records)
+        except ValueError as error:
+            raise SystemExit(f"hf-dflash2 train: {error}") from None
         if args.store is None:
             raise SystemExit(f"--records {args.records!r} selects records of a --store; --data has no record ids")
     if args.threads:
@@ -305,12 +306,12 @@ def cmd_train(args) -> int:
 
         store = FeatureStore(args.store)
         try:
-            sequences = store_sequences(store, args.max_length, record_prefixes)
+            sequences = store_sequences(store, args.max_length, record_weights)
         except ValueError as error:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
         config.extra["data"] = f"feature store {args.store} ({store.num_tokens:,} target tokens)" + (
-            f", only its records starting with {', '.join(record_prefixes)} ({len(sequences):,} sequences)"
-            if record_prefixes
+            f", only its records starting with {args.records} ({len(sequences):,} sequences per epoch)"
+            if record_weights
             else ""
         )
         layer_ids = store.meta.target_layer_ids
@@ -408,7 +409,8 @@ def _register_train(sub) -> None:
     p.add_argument("--max-sequences", type=int, default=None)
     p.add_argument("--records", default=None,
                    help="with --store: train only on records whose id starts with one of these comma-separated "
-                   "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text)")
+                   "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text); PREFIX=N repeats "
+                   "its records N times per epoch (the longest matching prefix counts), e.g. regen/python/=3,regen/")
     p.add_argument("--lr", type=float, default=d["learning_rate"])
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
     # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code

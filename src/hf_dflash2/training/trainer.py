@@ -100,26 +100,51 @@ def load_sequences(path: str | Path, max_length: int) -> list[dict]:
     return sequences
 
 
-def store_sequences(store, max_length: int, record_prefixes: list[str] | None = None) -> list[dict]:
+def parse_record_weights(spec: str) -> dict[str, int]:
+    """``"regen/python/=3,regen/"`` -> ``{"regen/python/": 3, "regen/": 1}`` (the ``--records`` syntax)."""
+    weights: dict[str, int] = {}
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        prefix, _, count = part.partition("=")
+        if not prefix or (count and (not count.isdigit() or int(count) < 1)):
+            raise ValueError(f"--records {spec!r}: {part!r} is not PREFIX or PREFIX=N with a whole N >= 1")
+        weights[prefix] = int(count or 1)
+    if not weights:
+        raise ValueError(f"--records {spec!r}: give at least one record id prefix, e.g. regen/")
+    return weights
+
+
+def store_sequences(store, max_length: int, record_weights: dict[str, int] | list[str] | None = None) -> list[dict]:
     """The store's sequences as ``{"store_index", "num_tokens", "response_start"}`` (arrays stay on disk).
 
-    ``record_prefixes`` keeps only the records whose id starts with one of them (``["regen/"]``: the target's
-    own responses, the text speculative decoding meets)."""
+    ``record_weights`` keeps only the records whose id starts with one of its prefixes (``["regen/"]``: the
+    target's own responses, the text speculative decoding meets), each listed as many times as the weight
+    of its longest matching prefix (``{"regen/": 1, "regen/python/": 3}``: code three times per epoch, each
+    time with fresh anchors), so a mix can be set without a new store. A list means weight 1 each."""
+    if isinstance(record_weights, list):
+        record_weights = dict.fromkeys(record_weights, 1)
     record_ids = store.sequence_ids()
-    if record_prefixes:
-        unmatched = [p for p in record_prefixes if not any(r.startswith(p) for r in record_ids)]
+    if record_weights:
+        unmatched = [p for p in record_weights if not any(r.startswith(p) for r in record_ids)]
         if unmatched:
             kinds = sorted({r.split("/", 1)[0] + "/" for r in record_ids})
             raise ValueError(
                 f"store {store.root}: no record id starts with {unmatched} (its records start with {kinds})"
             )
+        longest_first = sorted(record_weights, key=len, reverse=True)
     sequences = []
     for index, (length, response_start) in enumerate(store.sequence_lengths()):
-        if record_prefixes and not record_ids[index].startswith(tuple(record_prefixes)):
-            continue
+        copies = 1
+        if record_weights:
+            prefix = next((p for p in longest_first if record_ids[index].startswith(p)), None)
+            if prefix is None:
+                continue
+            copies = record_weights[prefix]
         length = min(length, max_length)
         if length - response_start >= 2:
-            sequences.append({"store_index": index, "num_tokens": length, "response_start": response_start})
+            sequences.extend({"store_index": index, "num_tokens": length, "response_start": response_start}
+                             for _ in range(copies))
     if not sequences:
         raise ValueError(
             f"store {store.root}: no sequence with a response of at least 2 tokens within max_length={max_length}"
