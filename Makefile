@@ -352,7 +352,7 @@ S24_RECORDS ?= regen/
 store-smollm2-s24: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
 		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832 \
-		--max-tokens 2000000
+		--max-tokens 4000000
 
 finetune-smollm2-s24: store-smollm2-s24
 	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --records $(S24_RECORDS) --init-from $(S24_INIT) \
