@@ -81,6 +81,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.draft, self.verified_last = None, 0
         drafter.last_speculative_stats = self.stats
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        # Transformers >= 5.25 sizes the target cache's rollback record by this (most candidates per round).
+        return max(1, self.max_drafts)
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
