@@ -115,15 +115,13 @@ def parse_record_weights(spec: str) -> dict[str, int]:
     return weights
 
 
-def store_sequences(store, max_length: int, record_weights: dict[str, int] | list[str] | None = None) -> list[dict]:
+def store_sequences(store, max_length: int, record_weights: dict[str, int] | None = None) -> list[dict]:
     """The store's sequences as ``{"store_index", "num_tokens", "response_start"}`` (arrays stay on disk).
 
-    ``record_weights`` keeps only the records whose id starts with one of its prefixes (``["regen/"]``: the
-    target's own responses, the text speculative decoding meets), each listed as many times as the weight
-    of its longest matching prefix (``{"regen/": 1, "regen/python/": 3}``: code three times per epoch, each
-    time with fresh anchors), so a mix can be set without a new store. A list means weight 1 each."""
-    if isinstance(record_weights, list):
-        record_weights = dict.fromkeys(record_weights, 1)
+    ``record_weights`` (``parse_record_weights``) keeps only the records whose id starts with one of its
+    prefixes (``{"regen/": 1}``: the target's own responses, the text speculative decoding meets), each
+    listed as many times as the weight of its longest matching prefix (``{"regen/": 1, "regen/python/": 3}``:
+    code three times per epoch, each time with fresh anchors), so a mix can be set without a new store."""
     record_ids = store.sequence_ids()
     if record_weights:
         unmatched = [p for p in record_weights if not any(r.startswith(p) for r in record_ids)]
