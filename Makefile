@@ -349,6 +349,7 @@ S24_SEED ?= 0
 S24_NAME ?= s24
 S24_INIT ?= heads/smollm2-135m-dflash2
 S24_RECORDS ?= regen/
+S24_LR ?= 3e-4
 store-smollm2-s24: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
 		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832 \
@@ -357,7 +358,8 @@ store-smollm2-s24: setup
 finetune-smollm2-s24: store-smollm2-s24
 	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --records $(S24_RECORDS) --init-from $(S24_INIT) \
 		--max-length 832 --output runs/finetune_$(S24_NAME) --steps $(S24_STEPS) --seed $(S24_SEED) \
-		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 --resume
+		$(subst --lr 3e-4,--lr $(S24_LR),$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE))) \
+		--target-layer-ids 1,7,14,20,27 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S24_NAME) runs/finetune_$(S24_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S24_NAME)/export --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S24_NAME)).json

@@ -451,6 +451,9 @@ def _register_train(sub) -> None:
 
 
 def register(subparsers) -> None:
+    from .average import register as _register_average
+
     _register_regenerate(subparsers)
     _register_store(subparsers)
     _register_train(subparsers)
+    _register_average(subparsers)
