@@ -52,7 +52,7 @@ def test_heads_of_another_architecture_or_draft_vocab_are_refused_and_nothing_is
 
 
 @pytest.mark.parametrize(
-    ("spec", "message"), [("1,x", "comma-separated"), ("1,2,3", "3 values for 2"), ("1,0", "> 0")]
+    ("spec", "message"), [("1,x", "comma-separated"), ("1,2,3", "3 values for 2"), ("1,0", "> 0"), ("1,inf", "finite")]
 )
 def test_bad_weights_name_the_value(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -14,6 +14,7 @@ written. Floating tensors are averaged in fp32; integer buffers must agree exact
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -32,8 +33,8 @@ def parse_weights(spec: str | None, count: int) -> list[float]:
         raise ValueError(f"--weights {spec!r}: give {count} comma-separated numbers, one per head") from None
     if len(weights) != count:
         raise ValueError(f"--weights {spec!r} has {len(weights)} values for {count} heads")
-    if any(not w > 0 for w in weights):
-        raise ValueError(f"--weights {spec!r}: every weight must be > 0")
+    if any(not (w > 0 and math.isfinite(w)) for w in weights):
+        raise ValueError(f"--weights {spec!r}: every weight must be a finite number > 0")
     total = sum(weights)
     return [w / total for w in weights]
 
