@@ -378,9 +378,13 @@ finetune-smollm2-s24: store-smollm2-s24
 SOUP_NAME ?= s25_c1
 SOUP_HEADS ?= runs/finetune_s25_mix/export runs/finetune_s24_code/export
 SOUP_WEIGHTS ?= 1,1
+# The head the mean is compared with. Since session 25 the committed head is this mean itself; session 25
+# compared with session 23's (mkdir -p runs/s23_head && git archive 3e2f4ea heads/smollm2-135m-dflash2 |
+# tar -x --strip-components=2 -C runs/s23_head, then SOUP_BASELINE=runs/s23_head).
+SOUP_BASELINE ?= heads/smollm2-135m-dflash2
 soup-smollm2-s25: setup
 	$(VENV)/bin/hf-dflash2 average $(SOUP_HEADS) --weights $(SOUP_WEIGHTS) --output runs/soup_$(SOUP_NAME)
-	$(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/soup_$(SOUP_NAME) --prompts 32 \
+	$(PY) benchmarks/heldout_tau.py $(SOUP_BASELINE) runs/soup_$(SOUP_NAME) --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round25_soup_$(SOUP_NAME).json
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.

@@ -59,7 +59,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=None, help="JSON file to write")
     parser.add_argument(
-        "--prompt-slice", type=int, default=0, help="1..9: 16 other prompts (heldout_prompts), a second opinion"
+        "--prompt-slice",
+        type=int,
+        default=0,
+        choices=range(10),
+        help="1..9: 16 other prompts (heldout_prompts), a second opinion",
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target and heads run in this dtype")
     args = parser.parse_args()

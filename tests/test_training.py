@@ -487,5 +487,7 @@ def test_heldout_prompt_slices_are_disjoint_and_a_bad_slice_is_named():
     assert len(first) == len(second) == 16  # 8 per set: --prompts above 16 adds nothing
     ids = [p["id"] for p in first], [p["id"] for p in second]
     assert sum(i.startswith("HumanEval") for i in ids[1]) == 8 and not set(ids[0]) & set(ids[1])
+    # slice 0 is the set every earlier held-out figure was measured on
+    assert ids[0][:4] == ["HumanEval/0", "mtbench/81", "HumanEval/1", "mtbench/91"]
     with pytest.raises(ValueError, match="slice_index 10"):
         heldout_prompts(16, slice_index=10)

@@ -6,9 +6,11 @@ Fine-tunes of one head on different mixes trade one prompt set for the other (se
 HumanEval τ and costs MT-Bench). Their weights stay close enough that a weighted mean is itself a working head,
 often better than either on both sets, at no training cost; held-out τ (``benchmarks/heldout_tau.py``) decides.
 
-Every head must share one architecture (``config.json``) and one draft vocabulary: the mean of two heads that
-rank different token ids, or read different target layers, means nothing, so that is refused before anything is
-written. Floating tensors are averaged in fp32; integer buffers must agree exactly.
+Every head must share one architecture (``config.json``, provenance fields aside) and one draft vocabulary:
+the mean of two heads that rank different token ids, or read different target layers, means nothing, so that
+is refused before anything is written. So is an ``--output`` that holds an input or is not a head folder
+(the save replaces the folder). Floating tensors are averaged in fp32 and saved in the first head's dtype;
+integer buffers must agree exactly.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-# config fields that name where a head came from, not what it computes
-_PROVENANCE_FIELDS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
+# config fields that name where a head came from or which code version saved it, not what it computes
+_PROVENANCE_FIELDS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "auto_map", "architectures"}
 
 
 def parse_weights(spec: str | None, count: int) -> list[float]:
@@ -31,12 +33,26 @@ def parse_weights(spec: str | None, count: int) -> list[float]:
         weights = [float(w) for w in spec.split(",")]
     except ValueError:
         raise ValueError(f"--weights {spec!r}: give {count} comma-separated numbers, one per head") from None
+    return _normalised(weights, count, f"--weights {spec!r}")
+
+
+def _normalised(weights: list[float], count: int, what: str) -> list[float]:
     if len(weights) != count:
-        raise ValueError(f"--weights {spec!r} has {len(weights)} values for {count} heads")
+        raise ValueError(f"{what} has {len(weights)} values for {count} heads")
     if any(not (w > 0 and math.isfinite(w)) for w in weights):
-        raise ValueError(f"--weights {spec!r}: every weight must be a finite number > 0")
+        raise ValueError(f"{what}: every weight must be a finite number > 0")
     total = sum(weights)
     return [w / total for w in weights]
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _architecture(head: Path) -> dict:
@@ -44,13 +60,38 @@ def _architecture(head: Path) -> dict:
     if not config_path.is_file():
         raise FileNotFoundError(f"{head} is not a saved head: it has no config.json")
     config = json.loads(config_path.read_text())
-    return {k: v for k, v in config.items() if k not in _PROVENANCE_FIELDS}
+    return _flat({k: v for k, v in config.items() if k not in _PROVENANCE_FIELDS})
+
+
+def _saved_dtype(head: Path) -> torch.dtype:
+    """The dtype the head's floating tensors were saved in (bf16 for heads exported here)."""
+    from safetensors import safe_open
+
+    with safe_open(head / "model.safetensors", framework="pt") as weights:
+        for name in weights.keys():
+            tensor = weights.get_slice(name)
+            dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}.get(tensor.get_dtype())
+            if dtype is not None:
+                return dtype
+    return torch.float32
+
+
+def _check_output(output: Path, heads: list[Path]) -> None:
+    """Only a new folder or an existing head is written: ``save_head`` replaces the folder it writes."""
+    resolved = output.resolve()
+    for head in heads:
+        if head.resolve() == resolved or head.resolve().is_relative_to(resolved):
+            raise ValueError(f"--output {output} is or holds {head}, a head being averaged: write the mean elsewhere")
+    if output.exists() and not (output / "config.json").is_file():
+        raise ValueError(f"--output {output} exists and is not a saved head: it would be replaced; pick a new folder")
 
 
 def average_heads(heads: list[str | Path], output: str | Path, weights: list[float] | None = None) -> Path:
     """Save the weighted mean of ``heads`` (saved ``DFlash2DraftModel`` folders) as a head in ``output``.
 
-    The first head supplies everything but the weights (config, draft vocabulary, README). Returns ``output``.
+    ``weights`` (default equal) are normalised to sum to 1. The first head supplies the config and draft
+    vocabulary; its ``training_recipe.json`` is copied with ``averaged_from`` added (the ingredients and their
+    weights). No README or training history is written: they would describe one run. Returns ``output``.
     """
     from ..hub import save_head
     from ..modeling_dflash2 import DFlash2DraftModel
@@ -58,28 +99,38 @@ def average_heads(heads: list[str | Path], output: str | Path, weights: list[flo
     heads = [Path(h) for h in heads]
     if len(heads) < 2:
         raise ValueError(f"average needs at least two heads, got {[str(h) for h in heads]}")
-    weights = weights or [1.0 / len(heads)] * len(heads)
-    if len(weights) != len(heads):
-        raise ValueError(f"{len(weights)} weights for {len(heads)} heads")
+    weights = _normalised(list(weights) if weights else [1.0] * len(heads), len(heads), f"weights {weights}")
     output = Path(output)
-    if output.resolve() in {h.resolve() for h in heads}:
-        raise ValueError(f"--output {output} is one of the heads being averaged: write the mean elsewhere")
+    _check_output(output, heads)
     reference = _architecture(heads[0])
     for head in heads[1:]:
         architecture = _architecture(head)
-        differing = sorted(k for k in reference.keys() | architecture.keys() if reference.get(k) != architecture.get(k))
+        differing = {
+            k: (reference.get(k), architecture.get(k))
+            for k in sorted(reference.keys() | architecture.keys())
+            if reference.get(k) != architecture.get(k)
+        }
         if differing:
-            raise ValueError(f"{head} differs from {heads[0]} in config fields {differing}: not one architecture")
+            raise ValueError(
+                f"{head} differs from {heads[0]} in config fields {differing} ({heads[0].name}'s value first): "
+                "not one architecture"
+            )
 
     models = [DFlash2DraftModel.from_pretrained(h, dtype=torch.float32) for h in heads]
     first_vocab = models[0].draft_vocab
     for head, model in zip(heads[1:], models[1:]):
         vocab = model.draft_vocab
-        same = (first_vocab is None and vocab is None) or (
-            first_vocab is not None and vocab is not None and torch.equal(first_vocab, vocab)
-        )
-        if not same:
-            raise ValueError(f"{head} has another draft vocabulary than {heads[0]}: their logits rank other ids")
+        if first_vocab is None or vocab is None:
+            if first_vocab is not vocab:
+                raise ValueError(
+                    f"only one of {heads[0]} and {head} has a draft_vocab.json: their logits rank other ids"
+                )
+        elif not torch.equal(first_vocab, vocab):
+            extra = sorted(set(vocab.tolist()) ^ set(first_vocab.tolist()))[:5]
+            raise ValueError(
+                f"{head} has another draft vocabulary than {heads[0]} ({len(vocab)} against {len(first_vocab)} ids; "
+                f"in one only, e.g. {extra}): their logits rank other ids"
+            )
 
     states = [m.state_dict() for m in models]
     mean = {}
@@ -93,18 +144,19 @@ def average_heads(heads: list[str | Path], output: str | Path, weights: list[flo
             mean[name] = tensor
     drafter = models[0]
     drafter.load_state_dict(mean)
-    saved_dtype = json.loads((heads[0] / "config.json").read_text()).get("dtype", "bfloat16")
-    folder = save_head(drafter, output, dtype=getattr(torch, str(saved_dtype), torch.bfloat16))
     recipe_path = heads[0] / "training_recipe.json"
     recipe = json.loads(recipe_path.read_text()) if recipe_path.is_file() else {}
     recipe["averaged_from"] = [{"head": str(h), "weight": round(w, 6)} for h, w in zip(heads, weights)]
+    folder = save_head(drafter, output, dtype=_saved_dtype(heads[0]))
     (folder / "training_recipe.json").write_text(json.dumps(recipe, indent=1) + "\n")
     return folder
 
 
 def cmd_average(args) -> int:
-    weights = parse_weights(args.weights, len(args.heads))
-    print(average_heads(args.heads, args.output, weights))
+    try:
+        print(average_heads(args.heads, args.output, parse_weights(args.weights, len(args.heads))))
+    except (ValueError, OSError) as error:
+        raise SystemExit(f"hf-dflash2 average: {error}") from None
     return 0
 
 

@@ -322,6 +322,8 @@ def cmd_train(args) -> int:
         layer_ids = _layer_ids(args.target_layer_ids)
     if args.max_sequences:
         sequences = sequences[: args.max_sequences]
+        if args.store:
+            config.extra["data"] += f"; the first {len(sequences):,} used (--max-sequences)"
     # The target stays fp32 under autocast (its embedding / LM head are shared, frozen); the store
     # already holds its features, so its forward runs only for evaluation.
     from ..assets import load_target
