@@ -38,6 +38,9 @@ def test_the_average_is_the_weighted_mean_of_every_tensor_and_keeps_the_draft_vo
         differing += not torch.equal(states[0][name], states[1][name])
     assert differing > 0  # the heads really differ, so a copy of either would fail above
     assert torch.equal(mean.draft_vocab, first.draft_vocab)
+    # a saved head is world-readable, its folders searchable (custom_generate/ holds the remote code)
+    for path in [tmp_path / "mean", *(tmp_path / "mean").rglob("*")]:
+        assert path.stat().st_mode & 0o777 == (0o755 if path.is_dir() else 0o644), path
 
 
 def test_bf16_heads_average_in_fp32_stay_bf16_and_python_weights_are_normalised(tmp_path):

@@ -35,8 +35,8 @@ def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> 
     try:
         model.save_pretrained(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700; a published head is world-readable
-        for path in tmp.iterdir():
-            os.chmod(path, 0o644)
+        for path in tmp.rglob("*"):  # folders (custom_generate/) must stay searchable
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
         keep = {"README.md"}
         if folder.exists():
             for name in keep:
