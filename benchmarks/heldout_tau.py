@@ -22,12 +22,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def evaluate(target, tokenizer, head_dirs: list[str], prompts: int, tokens: int, prompt_slice: int = 0) -> dict:
+def evaluate(target, tokenizer, head_dirs: list[str], prompts: list[dict], tokens: int) -> dict:
+    """``prompts``: ``training.commands.heldout_prompts``."""
     from hf_dflash2 import DFlash2DraftModel, speculative_generate
-    from hf_dflash2.training.commands import heldout_prompts
     from hf_dflash2.training.regenerate import encode_prompts
 
-    encoded = encode_prompts(tokenizer, heldout_prompts(prompts, prompt_slice), 1024)
+    encoded = encode_prompts(tokenizer, prompts, 1024)
     results = {}
     for head_dir in head_dirs:
         drafter = DFlash2DraftModel.from_pretrained(head_dir, dtype=target.dtype).eval()
@@ -71,16 +71,15 @@ def main() -> int:
         if not (Path(head) / "config.json").exists():
             raise SystemExit(f"{head}: not a head folder (no config.json)")
     from hf_dflash2.assets import load_target
+    from hf_dflash2.training.commands import heldout_prompts
 
+    prompts = heldout_prompts(args.prompts, args.prompt_slice)
     target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    results = evaluate(target, tokenizer, args.heads, args.prompts, args.tokens, args.prompt_slice)
+    results = evaluate(target, tokenizer, args.heads, prompts, args.tokens)
     if args.output:
-        from hf_dflash2.training.commands import heldout_prompts
-
-        evaluated = [p["id"] for p in heldout_prompts(args.prompts, args.prompt_slice)]
         report = {
             "command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]),
-            "prompts": evaluated,  # --prompts above 16 adds none: 8 HumanEval and 8 MT-Bench per slice
+            "prompts": [p["id"] for p in prompts],  # --prompts above 16 adds none: 8 HumanEval, 8 MT-Bench
             "results": results,
         }
         args.output.write_text(json.dumps(report, indent=1))

@@ -85,6 +85,8 @@ def test_heads_of_another_architecture_or_draft_vocab_are_refused_and_nothing_is
     (tmp_path / "notes" / "keep.txt").write_text("mine")
     with pytest.raises(ValueError, match="not a saved head"):
         average_heads([a, b], tmp_path / "notes")
+    with pytest.raises(ValueError, match="not a saved head"):  # every save_head caller (export too)
+        save_head(tiny_drafter(target), tmp_path / "notes")
     assert (tmp_path / "notes" / "keep.txt").read_text() == "mine" and (a / "model.safetensors").exists()
 
 

@@ -13,13 +13,22 @@ import torch
 HEAD_FILES = ("config.json", "model.safetensors")
 
 
+def check_replaceable(folder: str | Path) -> None:
+    """Refuse a ``save_head`` target that exists without being a head: the save replaces the whole folder."""
+    folder = Path(folder)
+    if folder.exists() and not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} exists and is not a saved head: saving would replace it; pick a new folder")
+
+
 def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Save a drafter as a Hub-ready head: safetensors, config with ``auto_map``, remote-code files.
 
     Written into a temporary sibling folder and swapped in, so an interrupted save never leaves a
     half-written head. ``dtype`` (e.g. ``torch.bfloat16``) converts a copy, not the live drafter.
+    ``folder`` must be new or a saved head (``check_replaceable``).
     """
     folder = Path(folder)
+    check_replaceable(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     model = drafter
     if dtype is not None and next(drafter.parameters()).dtype != dtype:

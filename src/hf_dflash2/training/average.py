@@ -77,13 +77,14 @@ def _saved_dtype(head: Path) -> torch.dtype:
 
 
 def _check_output(output: Path, heads: list[Path]) -> None:
-    """Only a new folder or an existing head is written: ``save_head`` replaces the folder it writes."""
+    """Before any head loads: ``save_head`` replaces the folder it writes, which must hold no input."""
+    from ..hub import check_replaceable
+
     resolved = output.resolve()
     for head in heads:
         if head.resolve() == resolved or head.resolve().is_relative_to(resolved):
             raise ValueError(f"--output {output} is or holds {head}, a head being averaged: write the mean elsewhere")
-    if output.exists() and not (output / "config.json").is_file():
-        raise ValueError(f"--output {output} exists and is not a saved head: it would be replaced; pick a new folder")
+    check_replaceable(output)
 
 
 def average_heads(heads: list[str | Path], output: str | Path, weights: list[float] | None = None) -> Path:
