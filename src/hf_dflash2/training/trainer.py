@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from ..modeling_dflash2 import DFlash2DraftModel, calibrated_output_factor
@@ -62,6 +63,9 @@ class TrainingConfig:
     log_every: int = 10
     cache_features: bool = True  # keep each sequence's tapped features after its first target forward
     standardize_features: bool = True  # train ``fc`` on per-channel standardized features (see feature_scale)
+    # 0: off. Otherwise an exponential moving average of the weights (from the weights at step 0) is kept
+    # and checkpointed beside them; ``export --ema`` saves it as the head.
+    ema_decay: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -83,6 +87,8 @@ class TrainingConfig:
             raise ValueError(f"warmup_steps must be >= 1 (or None for warmup_ratio), got {self.warmup_steps}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
 
 
 def load_sequences(path: str | Path, max_length: int) -> list[dict]:
@@ -326,6 +332,7 @@ class Trainer:
         self._features: dict[int, torch.Tensor] = {}
         self.initialized_from = None  # {"checkpoint", "step"} of a fine-tune's source (initialize_from)
         self.feature_scale = None  # [taps * H] while fc trains on standardized features (see feature_scale)
+        self.ema: list[torch.Tensor] | None = None  # the trainable weights' moving average (ema_decay > 0)
         if config.standardize_features:
             sample = range(min(len(sequences), 64))
             scale = feature_scale(self.sequence_item(i)["features"][0] for i in sample)
@@ -454,6 +461,8 @@ class Trainer:
 
     def train_step(self) -> dict:
         self.drafter.train()
+        if self.config.ema_decay and self.ema is None:  # started here, after any initialize_from
+            self.ema = [p.detach().clone() for p in self.trainable_parameters()]
         indices = self.sequences_for_step(self.step)
         total, metrics = 0.0, []
         for index in indices:
@@ -465,6 +474,9 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            current = [p.detach() for p in self.trainable_parameters()]
+            get_ema_multi_avg_fn(self.config.ema_decay)(self.ema, current, None)
         self.step += 1
         total = float(self.accelerator.reduce(torch.tensor(total, device=self.accelerator.device), reduction="mean"))
         record = {
@@ -478,6 +490,26 @@ class Trainer:
         if "selector_loss" in metrics[0]:
             record["selector_loss"] = sum(m["selector_loss"] for m in metrics) / len(metrics)
         return record
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.accelerator.unwrap_model(self.drafter).parameters() if p.requires_grad]
+
+    @contextmanager
+    def ema_weights(self):
+        """The drafter with its moving average swapped in (training space), restored on exit."""
+        if self.ema is None:
+            raise ValueError("no moving average: this run trains with ema_decay=0 or has not taken a step")
+        parameters = self.trainable_parameters()
+        current = [p.detach().clone() for p in parameters]
+        with torch.no_grad():
+            for parameter, average in zip(parameters, self.ema, strict=True):
+                parameter.copy_(average)
+        try:
+            yield self.accelerator.unwrap_model(self.drafter)
+        finally:
+            with torch.no_grad():
+                for parameter, value in zip(parameters, current, strict=True):
+                    parameter.copy_(value)
 
     # ----------------------------------------------------------------- checkpoints
     @property
@@ -502,7 +534,11 @@ class Trainer:
             "drafter_config": self.accelerator.unwrap_model(self.drafter).config.to_dict(),
             "initialized_from": self.initialized_from,
             "vocab_subset": None if self.vocab_subset is None else self.vocab_subset.tolist(),
+            "ema": self.ema,
         }
+        if self.ema is not None:
+            with self.ema_weights():
+                state["drafter_ema"] = self.exported_state_dict()  # folded, as "drafter": what export --ema reads
         fd, tmp = tempfile.mkstemp(dir=self.output_dir, prefix=".checkpoint.")
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)
@@ -525,6 +561,7 @@ class Trainer:
         self.step = state["step"]
         self.history = state["history"]
         self.initialized_from = state.get("initialized_from")
+        self.ema = state.get("ema") if self.config.ema_decay else None
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
