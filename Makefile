@@ -391,8 +391,9 @@ soup-smollm2-s25: setup
 # them (the committed head has trained on them), the target answers prompts no committed head has seen:
 # ShareGPT first turns past the 5,120 regenerate-smollm2-s20 answered, python-functions past its 4,736.
 # A fine-tune of the committed head on them (argmax labels, the session 24 recipe) that also keeps a moving
-# average of its weights (--ema-decay 0.998, exported beside the last step's), then the last step's mean with
-# the committed head; held-out tau on both prompt slices decides. Each stage resumes where it stopped.
+# average of its weights (--ema-decay 0.998, exported beside the last step's), then the mean of each with the
+# committed head; held-out tau on both prompt slices decides (session 26 ran the last mean's held-out tau on
+# its own: heldout_tau_round26_soup_ema_slice*.json). Each stage resumes where it stopped.
 S26_RECORDS ?= 2048
 S26_STEPS ?= 2000
 S26_NAME ?= s26_fresh
@@ -414,8 +415,10 @@ finetune-smollm2-s26: store-smollm2-s26
 	$(PY) -m hf_dflash2.training.export runs/finetune_$(S26_NAME) runs/finetune_$(S26_NAME)/export_ema --ema
 	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
 		--output runs/soup_$(S26_NAME)
+	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export_ema \
+		--output runs/soup_$(S26_NAME)_ema
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
-		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) --prompts 32 --tokens 64 --prompt-slice $$slice \
+		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) runs/soup_$(S26_NAME)_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round26_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.

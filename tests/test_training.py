@@ -504,12 +504,14 @@ def test_moving_average_follows_its_recurrence_resumes_exactly_and_is_checkpoint
         assert torch.allclose(average, wanted, atol=1e-6)
     assert any(not torch.allclose(a, p) for a, p in zip(trainer.ema, trainer.trainable_parameters()))
 
+    before = {k: v.clone() for k, v in trainer.exported_state_dict().items()}
     trainer.save_checkpoint()
     state = torch.load(trainer.checkpoint_path, weights_only=False)
-    before = {k: v.clone() for k, v in trainer.exported_state_dict().items()}
+    assert all(torch.equal(before[k], v) for k, v in trainer.exported_state_dict().items())  # put back
+    assert all(torch.equal(before[k], v) for k, v in state["drafter"].items())
     with trainer.ema_weights():
         averaged = trainer.exported_state_dict()
-    assert all(torch.equal(before[k], v) for k, v in trainer.exported_state_dict().items())  # restored
+    assert all(torch.equal(before[k], v) for k, v in trainer.exported_state_dict().items())
     assert state["drafter_ema"].keys() == averaged.keys()
     assert all(torch.equal(state["drafter_ema"][k], averaged[k]) for k in averaged)
     assert not torch.equal(state["drafter_ema"]["fc.weight"], state["drafter"]["fc.weight"])
@@ -526,8 +528,18 @@ def test_moving_average_follows_its_recurrence_resumes_exactly_and_is_checkpoint
     resumed.train(resume=True)
     assert all(torch.equal(a, b) for a, b in zip(full.ema, resumed.ema))
 
+    for other_decay in (0.0, 0.9):  # the average covers a run from its step 0, or the run is refused
+        with pytest.raises(ValueError, match=f"ema_decay={other_decay}, but .* ema_decay=0.6"):
+            make_trainer(tmp_path / "c", steps=6, ema_decay=other_decay).train(resume=True)
     with pytest.raises(ValueError, match="ema_decay must be in"):
         make_trainer(tmp_path / "d", ema_decay=1.0)
+
+    fine_tune = make_trainer(tmp_path / "f", steps=2, ema_decay=decay)  # starts at the loaded weights
+    fine_tune.initialize_from(tmp_path / "b")
+    loaded = [p.detach().clone() for p in fine_tune.trainable_parameters()]
+    fine_tune.train_step()
+    for average, start, current in zip(fine_tune.ema, loaded, fine_tune.trainable_parameters()):
+        assert torch.allclose(average, decay * start + (1 - decay) * current.detach(), atol=1e-6)
     plain = make_trainer(tmp_path / "e", steps=2)
     plain.train()
     assert plain.ema is None and torch.load(plain.checkpoint_path, weights_only=False).get("drafter_ema") is None

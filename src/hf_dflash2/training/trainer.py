@@ -550,6 +550,12 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
+        trained_decay = state["config"].get("ema_decay", 0.0)
+        if trained_decay != self.config.ema_decay:  # the average must cover the run from its step 0
+            raise ValueError(
+                f"ema_decay={self.config.ema_decay}, but {self.checkpoint_path} was trained with ema_decay="
+                f"{trained_decay}: resume with the same --ema-decay"
+            )
         if (state.get("feature_scale") is not None) != self.config.standardize_features:
             logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
                            self.config.standardize_features, state.get("feature_scale") is not None)
