@@ -418,7 +418,8 @@ finetune-smollm2-s26: store-smollm2-s26
 	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export_ema \
 		--output runs/soup_$(S26_NAME)_ema
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
-		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) runs/soup_$(S26_NAME)_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
+		runs/finetune_$(S26_NAME)/export_ema runs/soup_$(S26_NAME) runs/soup_$(S26_NAME)_ema \
+		--prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round26_slice$$slice.json || exit 1; done
 
 # Session 26's capacity arm: the committed head grown to 3 layers (selector pruned to rank 96, as in session 22)

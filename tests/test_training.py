@@ -500,7 +500,7 @@ def test_moving_average_follows_its_recurrence_resumes_exactly_and_is_checkpoint
     for _ in range(3):
         trainer.train_step()
         expected = [decay * e + (1 - decay) * p.detach() for e, p in zip(expected, trainer.trainable_parameters())]
-    for average, wanted, current in zip(trainer.ema, expected, trainer.trainable_parameters()):
+    for average, wanted in zip(trainer.ema, expected, strict=True):
         assert torch.allclose(average, wanted, atol=1e-6)
     assert any(not torch.allclose(a, p) for a, p in zip(trainer.ema, trainer.trainable_parameters()))
 

@@ -567,7 +567,7 @@ class Trainer:
         self.step = state["step"]
         self.history = state["history"]
         self.initialized_from = state.get("initialized_from")
-        self.ema = state.get("ema") if self.config.ema_decay else None
+        self.ema = state.get("ema")  # None exactly when ema_decay is 0 (a differing decay was refused above)
         logger.info("resumed from %s at step %d", self.checkpoint_path, self.step)
         return True
 
