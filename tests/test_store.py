@@ -140,6 +140,12 @@ def test_store_sequences_keep_only_the_chosen_records(tmp_path, monkeypatch):
     (tmp_path / "regen.jsonl").write_text("")
     with pytest.raises(SystemExit, match="--data has no record ids"):
         main([*train, "--data", str(tmp_path / "regen.jsonl"), "--records", "regen/"])
+    with pytest.raises(SystemExit, match="--hidden-weight 0.5: store .* keeps no final hidden states"):
+        main([*train, "--store", str(tmp_path / "s"), "--hidden-weight", "0.5"])
+    with pytest.raises(SystemExit, match="--hidden-weight 0.5 needs a --store built with --final-hidden, not --data"):
+        main([*train, "--data", str(tmp_path / "regen.jsonl"), "--hidden-weight", "0.5"])
+    with pytest.raises(SystemExit, match=r"hidden_weight must be a finite number >= 0 \(0: off\), got nan"):
+        main([*train, "--store", str(tmp_path / "s"), "--hidden-weight", "nan"])
 
 
 def test_a_torn_index_line_is_dropped(tmp_path):
@@ -369,3 +375,80 @@ def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source, fres
     assert first - last > 0.6, (first, last)  # no learning: a difference of ~0
     with pytest.raises(ValueError, match="needs a feature store"):
         Trainer(target, drafter, records, TrainingConfig(output_dir=str(tmp_path / "x"), label_source="kl"))
+
+
+def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_labels(tmp_path):
+    from hf_dflash2.training.trainer import final_hidden_for_blocks, target_labels_for_blocks
+
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=5)
+    meta = StoreMeta(**{**meta_for(target).__dict__, "final_hidden": True})
+    build_store(target, records, FeatureStore(tmp_path / "s", meta), tokens_per_batch=96, tokens_per_shard=50)
+    store = FeatureStore(tmp_path / "s")
+    by_id = {store[i]["id"]: store[i] for i in range(len(store))}
+    for record in records:
+        item = by_id[record["id"]]
+        with torch.no_grad():
+            out = target(input_ids=torch.tensor([record["input_ids"]]), output_hidden_states=True)
+        # hidden_states[-1] is after the final norm here: exactly the LM head's input
+        torch.testing.assert_close(item["final_hidden"].float(), out.hidden_states[-1][0].bfloat16().float())
+        # the block targets sit where the target predicts each block's argmax label (a + k - 1)
+        anchors = torch.tensor([0, 3, len(record["input_ids"]) - 3])
+        labels, _, _ = target_labels_for_blocks(item, anchors, 4, "argmax")
+        goal = final_hidden_for_blocks(item, anchors, 4)
+        with torch.no_grad():
+            predicted = target.lm_head(goal.float()).argmax(-1)
+        inside = labels >= 0
+        assert inside.sum() >= 7 and (predicted == labels)[inside].float().mean() >= 0.9
+    # a store is one kind or the other: reopening it with the other meta, or a shard without the array, is refused
+    with pytest.raises(ValueError, match="final_hidden=True"):
+        FeatureStore(tmp_path / "s", meta_for(target))
+    plain = FeatureStore(tmp_path / "plain", meta_for(target))
+    with pytest.raises(ValueError, match="final_hidden=False, but the shard has"):
+        plain.append(records[:1], torch.zeros(len(records[0]["input_ids"]), meta.feature_width),
+                     torch.zeros(len(records[0]["input_ids"]), 8), torch.zeros(len(records[0]["input_ids"]), 8),
+                     torch.zeros(len(records[0]["input_ids"]), meta.hidden_size))
+    assert "final_hidden" not in build_store(target, records[:1], plain)[0]
+
+
+def test_the_hidden_loss_is_the_position_decayed_relative_error():
+    from hf_dflash2.training.losses import block_loss, position_weights
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=4)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 3, target.config.hidden_size, generator=generator)
+    goal = torch.randn(5, 3, target.config.hidden_size, generator=generator) * 2
+    labels = torch.randint(2, 64, (5, 3), generator=generator)
+    labels[0, 2] = -100
+    predecessors = torch.randint(2, 64, (5, 3), generator=generator)
+    base, _ = block_loss(drafter, hidden, labels, predecessors, 2.0)
+    with_hidden, metrics = block_loss(drafter, hidden, labels, predecessors, 2.0, hidden_targets=goal, hidden_weight=3.0)
+    weights = position_weights(3, 2.0)[None].expand(5, 3) * (labels >= 0)
+    relative = ((hidden - goal) ** 2).mean(-1) / (goal**2).mean(-1)
+    expected = float((relative * weights).sum() / weights.sum())
+    assert metrics["hidden_loss"] == pytest.approx(expected, rel=1e-5)
+    assert float((with_hidden - base).detach()) == pytest.approx(3.0 * expected, rel=1e-4)
+    _, exact = block_loss(drafter, goal, labels, predecessors, 2.0, hidden_targets=goal, hidden_weight=1.0)
+    assert exact["hidden_loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_hidden_distillation_trains_and_needs_a_store_with_final_states(tmp_path, fresh_accelerator_state):
+    from .test_training import toy_sequences
+
+    target = tiny_target(vocab_size=64)
+    records = [{"id": str(i), **s} for i, s in enumerate(toy_sequences())]
+    meta = StoreMeta(**{**meta_for(target).__dict__, "final_hidden": True})
+    store = build_store(target, records, FeatureStore(tmp_path / "s", meta))
+    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=LAYERS)
+    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=40, batch_size=2, anchors_per_sequence=6,
+                            checkpoint_every=100, learning_rate=5e-3, label_source="argmax", hidden_weight=1.0)
+    history = Trainer(target, drafter, store_sequences(store, 512), config, store=store).train()
+    first = sum(h["hidden_loss"] for h in history[:5]) / 5
+    last = sum(h["hidden_loss"] for h in history[-5:]) / 5
+    assert last < 0.7 * first, (first, last)
+    plain = build_store(target, records, FeatureStore(tmp_path / "plain", meta_for(target)))
+    with pytest.raises(ValueError, match="hidden_weight=1.0 needs a feature store built with final hidden"):
+        Trainer(target, drafter, store_sequences(plain, 512), config, store=plain)
+    with pytest.raises(ValueError, match=r"hidden_weight must be a finite number >= 0 \(0: off\), got -1.0"):
+        TrainingConfig(hidden_weight=-1.0).validate()

@@ -197,8 +197,12 @@ def cmd_store(args) -> int:
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,
         top_k=args.top_k,
+        final_hidden=args.final_hidden,
     )
-    store = FeatureStore(args.output, meta)
+    try:
+        store = FeatureStore(args.output, meta)
+    except ValueError as error:  # an existing store built otherwise: named, and left as it is
+        raise SystemExit(f"hf-dflash2 store: {error}") from None
     records = []
     for source in sources:
         if source == "sharegpt":
@@ -241,6 +245,8 @@ def _register_store(sub) -> None:
     p.add_argument("--top-k", type=int, default=32, help="target log-probabilities kept per position")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: 5 evenly spaced)")
     p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--final-hidden", action="store_true",
+                   help="also keep the target's LM-head input per token (bf16, 2*H bytes), for `train --hidden-weight`")
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_store)
@@ -258,6 +264,8 @@ def cmd_train(args) -> int:
         raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
     if (args.data is None) == (args.store is None):
         raise SystemExit("give exactly one of --data (regenerated JSONL) or --store (feature store folder)")
+    if args.data is not None and args.hidden_weight:
+        raise SystemExit(f"--hidden-weight {args.hidden_weight} needs a --store built with --final-hidden, not --data")
     source = args.data or args.store
     if not Path(source).exists():
         raise SystemExit(f"{source}: no such file or folder (run `hf-dflash2 regenerate` or `hf-dflash2 store` first)")
@@ -296,6 +304,7 @@ def cmd_train(args) -> int:
         warmup_steps=args.warmup_steps,
         logit_ramp_steps=args.logit_ramp_steps,
         ema_decay=args.ema_decay,
+        hidden_weight=args.hidden_weight,
     )
     try:
         config.validate()
@@ -306,6 +315,11 @@ def cmd_train(args) -> int:
         from .store import FeatureStore
 
         store = FeatureStore(args.store)
+        if config.hidden_weight and not store.meta.final_hidden:
+            raise SystemExit(
+                f"--hidden-weight {args.hidden_weight}: store {args.store} keeps no final hidden states "
+                "(build one with `hf-dflash2 store --final-hidden`)"
+            )
         try:
             sequences = store_sequences(store, args.max_length, record_weights)
         except ValueError as error:
@@ -430,6 +444,9 @@ def _register_train(sub) -> None:
     p.add_argument("--ema-decay", type=float, default=d["ema_decay"],
                    help="keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed "
                    "beside them; export it with `python -m hf_dflash2.training.export RUN DIR --ema`")
+    p.add_argument("--hidden-weight", type=float, default=d["hidden_weight"],
+                   help="weight of a loss pulling the head's LM-head input towards the target's at each drafted "
+                   "position (relative squared error; needs a store built with --final-hidden; 0: off)")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(

@@ -1,4 +1,5 @@
-"""The dFlash 2 training objective: position-decayed CE on the unary logits + the selector's K-way CE."""
+"""The dFlash 2 training objective: position-decayed CE on the unary logits + the selector's K-way CE
+(+ optionally a distillation of the target's LM-head input)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ def block_loss(
     soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
     head_weight: torch.Tensor | None = None,
     logit_scale: float = 1.0,
+    hidden_targets: torch.Tensor | None = None,
+    hidden_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a set of blocks.
 
@@ -62,6 +65,10 @@ def block_loss(
     ``vocab_subset`` are dropped. The selector keeps the hard ``labels``. ``head_weight`` ([V', H], already
     restricted to the subset and in the compute dtype) saves re-gathering the frozen LM head every call.
     ``logit_scale`` multiplies the unary logits (the trainer's warmup of a fresh head's output scale).
+    ``hidden_targets`` [M, P, H]: the target's LM-head input where it predicts each label. The head feeds
+    the same LM head, so matching it matches the target's logits over the whole vocabulary, a signal
+    beyond its top-k; the term is the squared error relative to the target state's mean square, decayed
+    like the CE and weighted by ``hidden_weight``.
     """
     valid = labels >= 0
     weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
@@ -92,6 +99,12 @@ def block_loss(
             "top1_by_position": ((top1 & valid).sum(0).float() / valid.sum(0).clamp_min(1)).tolist(),
         }
     loss = unary_loss
+    if hidden_targets is not None and hidden_weight > 0:
+        goal = hidden_targets.float()
+        relative_error = (hidden.float() - goal).pow(2).mean(-1) / goal.pow(2).mean(-1).clamp_min(1e-6)
+        hidden_loss = (relative_error * weights).sum() / norm
+        loss = loss + hidden_weight * hidden_loss
+        metrics["hidden_loss"] = float(hidden_loss.detach())
     selector = drafter.candidate_selector
     if selector is not None and selector_weight > 0:
         k = min(selector.top_k, logits.shape[-1])

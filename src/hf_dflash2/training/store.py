@@ -7,10 +7,13 @@ distribution (labels). The store keeps, per token:
 - ``tokens``        int32                      the text itself (data-token labels);
 - ``features``      bf16 [taps * H]            tapped target layers, memory-mapped at training time;
 - ``topk_ids``      int32 [k]                  the target's top-k next tokens (``[0]`` = its argmax);
-- ``topk_logprobs`` fp16 [k]                   their log-probabilities (sparse KL labels).
+- ``topk_logprobs`` fp16 [k]                   their log-probabilities (sparse KL labels);
+- ``final``         bf16 [H]  (optional)       what the target's LM head reads at that position (its last,
+                                               normed hidden state): a distillation target for the drafter's
+                                               own LM-head input, which feeds the same LM head.
 
 Layout: ``meta.json`` (what produced the store, checked on reopen), ``index.jsonl`` (one line per shard:
-its sequences and their offsets) and, per shard, four ``.npy`` files. A shard's files are written and
+its sequences and their offsets) and, per shard, one ``.npy`` file per array. A shard's files are written and
 fsynced first and its index line is appended last, so the index line is the commit point: a kill at
 any moment leaves a readable store (an orphan shard is overwritten by the next append; a torn index
 line is dropped on open).
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 STORE_VERSION = 1
 ARRAYS = ("tokens", "features", "topk_ids", "topk_logprobs")
+FINAL_HIDDEN_ARRAY = "final"
 
 
 @dataclass
@@ -43,10 +47,16 @@ class StoreMeta:
     top_k: int = 32
     version: int = STORE_VERSION
     notes: dict = field(default_factory=dict)
+    # Stores before session 28 have no such field and no final hidden states.
+    final_hidden: bool = False
 
     @property
     def feature_width(self) -> int:
         return len(self.target_layer_ids) * self.hidden_size
+
+    @property
+    def arrays(self) -> tuple[str, ...]:
+        return ARRAYS + ((FINAL_HIDDEN_ARRAY,) if self.final_hidden else ())
 
 
 def _fsync_write(path: Path, array: np.ndarray) -> None:
@@ -71,7 +81,7 @@ class FeatureStore:
         if meta_path.exists():
             stored = StoreMeta(**json.loads(meta_path.read_text()))
             if meta is not None:
-                for name in ("target", "target_layer_ids", "hidden_size", "vocab_size", "top_k"):
+                for name in ("target", "target_layer_ids", "hidden_size", "vocab_size", "top_k", "final_hidden"):
                     if getattr(meta, name) != getattr(stored, name):
                         raise ValueError(
                             f"store {self.root} was built with {name}={getattr(stored, name)!r}, "
@@ -129,10 +139,16 @@ class FeatureStore:
 
     # ------------------------------------------------------------------ writing
     def append(
-        self, sequences: list[dict], features: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor
+        self,
+        sequences: list[dict],
+        features: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_logprobs: torch.Tensor,
+        final_hidden: torch.Tensor | None = None,
     ) -> None:
         """Add one shard. ``sequences``: ``{"id", "input_ids", "response_start"}`` in order; the tensors are
-        the concatenation over their tokens: features [T, taps*H], topk_ids / topk_logprobs [T, k]."""
+        the concatenation over their tokens: features [T, taps*H], topk_ids / topk_logprobs [T, k] and,
+        exactly when the store keeps them (``meta.final_hidden``), final_hidden [T, H]."""
         if not self.writable:
             raise PermissionError(f"store {self.root} was opened read-only; open it with its StoreMeta to append")
         total = sum(len(s["input_ids"]) for s in sequences)
@@ -142,6 +158,15 @@ class FeatureStore:
                 f"shard shapes features {tuple(features.shape)}, topk {tuple(topk_ids.shape)} do not match "
                 f"{total} tokens x {width} features / top-{k}"
             )
+        if (final_hidden is not None) != self.meta.final_hidden:
+            raise ValueError(
+                f"store {self.root} has final_hidden={self.meta.final_hidden}, but the shard "
+                f"{'has' if final_hidden is not None else 'lacks'} final hidden states"
+            )
+        if final_hidden is not None and final_hidden.shape != (total, self.meta.hidden_size):
+            raise ValueError(
+                f"shard final_hidden {tuple(final_hidden.shape)} does not match {total} tokens x {self.meta.hidden_size}"
+            )
         number = len(self.shards)
         arrays = {
             "tokens": np.concatenate([np.asarray(s["input_ids"], dtype=np.int32) for s in sequences]),
@@ -149,6 +174,8 @@ class FeatureStore:
             "topk_ids": topk_ids.to(torch.int32).cpu().numpy(),
             "topk_logprobs": topk_logprobs.to(torch.float16).cpu().numpy(),
         }
+        if final_hidden is not None:
+            arrays[FINAL_HIDDEN_ARRAY] = final_hidden.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
         for name, array in arrays.items():
             _fsync_write(self.root / f"shard{number:05d}.{name}.npy", array)
         offsets = np.cumsum([0] + [len(s["input_ids"]) for s in sequences]).tolist()
@@ -170,18 +197,19 @@ class FeatureStore:
     def _shard_arrays(self, number: int) -> dict[str, np.ndarray]:
         if number not in self._arrays:
             self._arrays[number] = {
-                name: np.load(self.root / f"shard{number:05d}.{name}.npy", mmap_mode="r") for name in ARRAYS
+                name: np.load(self.root / f"shard{number:05d}.{name}.npy", mmap_mode="r") for name in self.meta.arrays
             }
         return self._arrays[number]
 
     def __getitem__(self, index: int) -> dict:
         """``{"id", "input_ids" [T] long, "response_start", "features" [T, F] bf16, "topk_ids" [T, k] long,
-        "topk_logprobs" [T, k] float}`` of one sequence (the features are a copy of the mapped slice)."""
+        "topk_logprobs" [T, k] float}`` of one sequence (the features are a copy of the mapped slice), and
+        ``"final_hidden"`` [T, H] bf16 when the store keeps it."""
         number, j = self._rows[index]
         shard = self.shards[number]
         start, end = shard["offsets"][j], shard["offsets"][j + 1]
         arrays = self._shard_arrays(number)
-        return {
+        item = {
             "id": shard["ids"][j],
             "input_ids": torch.from_numpy(np.array(arrays["tokens"][start:end], dtype=np.int64)),
             "response_start": shard["response_starts"][j],
@@ -189,6 +217,9 @@ class FeatureStore:
             "topk_ids": torch.from_numpy(np.array(arrays["topk_ids"][start:end], dtype=np.int64)),
             "topk_logprobs": torch.from_numpy(np.array(arrays["topk_logprobs"][start:end], dtype=np.float32)),
         }
+        if self.meta.final_hidden:
+            item["final_hidden"] = torch.from_numpy(np.array(arrays[FINAL_HIDDEN_ARRAY][start:end])).view(torch.bfloat16)
+        return item
 
     def sequence_ids(self) -> list[str]:
         """Every sequence's record id (``regen/...``, ``sharegpt/...``), in index order."""
@@ -221,16 +252,33 @@ class FeatureStore:
 
 # ---------------------------------------------------------------------- building
 @torch.no_grad()
-def target_labels(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, layer_ids: list[int], top_k: int):
-    """One target prefill -> (features [N, T, taps*H], topk_ids [N, T, k], topk_logprobs [N, T, k])."""
+def target_labels(
+    target,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layer_ids: list[int],
+    top_k: int,
+    final_hidden: bool = False,
+):
+    """One target prefill -> (features [N, T, taps*H], topk_ids [N, T, k], topk_logprobs [N, T, k],
+    final [N, T, H] or None). ``final`` is the LM head's input, read by a hook on the output embeddings,
+    which holds for any causal LM whatever its ``hidden_states`` convention."""
     from ..speculative_dflash2 import tapped_features
 
-    out = target(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        output_hidden_states=[i + 1 for i in layer_ids],
-        use_cache=False,
-    )
+    captured = []
+    hook = None
+    if final_hidden:
+        hook = target.get_output_embeddings().register_forward_pre_hook(lambda _, args: captured.append(args[0]))
+    try:
+        out = target(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=[i + 1 for i in layer_ids],
+            use_cache=False,
+        )
+    finally:
+        if hook is not None:
+            hook.remove()
     features = tapped_features(out.hidden_states, layer_ids)
     # top-k of the logits equals top-k of the log-probabilities; one float logsumexp per row chunk
     # avoids materialising a float log-softmax over the whole vocabulary.
@@ -238,7 +286,7 @@ def target_labels(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     logprobs = torch.empty(values.shape, dtype=torch.float32, device=values.device)
     for row in range(out.logits.shape[0]):
         logprobs[row] = values[row].float() - out.logits[row].float().logsumexp(-1, keepdim=True)
-    return features, ids, logprobs
+    return features, ids, logprobs, (captured[0] if final_hidden else None)
 
 
 def build_store(
@@ -286,7 +334,7 @@ def build_store(
     ]
     device = next(target.parameters()).device
     layer_ids, k = store.meta.target_layer_ids, store.meta.top_k
-    pending: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    pending: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
     progress = tqdm(total=sum(len(r["input_ids"]) for r in todo), desc="store", unit="tok", unit_scale=True)
 
     def flush():
@@ -296,6 +344,7 @@ def build_store(
                 torch.cat([p[1] for p in pending]),
                 torch.cat([p[2] for p in pending]),
                 torch.cat([p[3] for p in pending]),
+                torch.cat([p[4] for p in pending]) if store.meta.final_hidden else None,
             )
             pending.clear()
 
@@ -316,11 +365,19 @@ def build_store(
         for row, record in enumerate(batch):
             input_ids[row, : len(record["input_ids"])] = torch.tensor(record["input_ids"])
             attention_mask[row, : len(record["input_ids"])] = 1
-        features, ids, logprobs = target_labels(target, input_ids.to(device), attention_mask.to(device), layer_ids, k)
+        features, ids, logprobs, final = target_labels(
+            target, input_ids.to(device), attention_mask.to(device), layer_ids, k, store.meta.final_hidden
+        )
         for row, record in enumerate(batch):
             length = len(record["input_ids"])
             pending.append(
-                (record, features[row, :length].cpu(), ids[row, :length].cpu(), logprobs[row, :length].cpu())
+                (
+                    record,
+                    features[row, :length].cpu(),
+                    ids[row, :length].cpu(),
+                    logprobs[row, :length].cpu(),
+                    None if final is None else final[row, :length].cpu(),
+                )
             )
         progress.update(sum(len(r["input_ids"]) for r in batch))
         if sum(len(p[0]["input_ids"]) for p in pending) >= tokens_per_shard:

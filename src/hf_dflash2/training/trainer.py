@@ -66,6 +66,9 @@ class TrainingConfig:
     # 0: off. Otherwise an exponential moving average of the weights (from the weights at step 0) is kept
     # and checkpointed beside them; ``export --ema`` saves it as the head.
     ema_decay: float = 0.0
+    # 0: off. Otherwise the weight of a loss pulling the head's LM-head input at each drafted position
+    # towards the target's own (a store built with ``final_hidden``): relative squared error, position-decayed.
+    hidden_weight: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -89,6 +92,8 @@ class TrainingConfig:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
+        if not (self.hidden_weight >= 0 and math.isfinite(self.hidden_weight)):
+            raise ValueError(f"hidden_weight must be a finite number >= 0 (0: off), got {self.hidden_weight}")
 
 
 def load_sequences(path: str | Path, max_length: int) -> list[dict]:
@@ -174,6 +179,14 @@ def sequence_blocks(ids: torch.Tensor, block_size: int, anchors: torch.Tensor, m
     labels = tokens[:, 1:]
     predecessors = tokens[:, :-1].clamp_min(0)
     return block_ids, labels, predecessors
+
+
+def final_hidden_for_blocks(item: dict, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n, B-1, H] the target's LM-head input where it predicts each block token (at a + k - 1), the
+    distillation target of the head's own LM-head input there. Positions past the end repeat the last
+    one; their labels are -100, so they carry no loss."""
+    index = (anchors[:, None] + torch.arange(block_size - 1)).clamp(max=len(item["input_ids"]) - 1)
+    return item["final_hidden"][index]
 
 
 def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int, label_source: str):
@@ -286,6 +299,10 @@ class Trainer:
         config.validate()
         if store is None and config.label_source != "data":
             raise ValueError(f"label_source={config.label_source!r} needs a feature store (the target's top-k labels)")
+        if config.hidden_weight and not (store is not None and store.meta.final_hidden):
+            raise ValueError(
+                f"hidden_weight={config.hidden_weight} needs a feature store built with final hidden states"
+            )
         self.config = config
         self.store = store
         self.accelerator = accelerator or Accelerator(
@@ -394,6 +411,9 @@ class Trainer:
                 labels = torch.where(torch.isin(labels, self.vocab_subset.cpu()), labels, -100)
             if soft is not None:
                 soft = tuple(t[:, :keep].to(device) for t in soft)
+            hidden_targets = None
+            if self.config.hidden_weight:
+                hidden_targets = final_hidden_for_blocks(item, anchors[0].cpu(), cfg.block_size)[:, :keep].to(device)
             return block_loss(
                 drafter,
                 hidden[:, :keep],
@@ -405,6 +425,8 @@ class Trainer:
                 soft_targets=soft,
                 head_weight=self.head_weight(hidden.dtype),
                 logit_scale=self.logit_scale(step),
+                hidden_targets=hidden_targets,
+                hidden_weight=self.config.hidden_weight,
             )
 
     def logit_scale(self, step: int) -> float:
@@ -487,8 +509,9 @@ class Trainer:
             "unary_loss": sum(m["unary_loss"] for m in metrics) / len(metrics),
             "top1_position1": sum(m["top1_by_position"][0] for m in metrics) / len(metrics),
         }
-        if "selector_loss" in metrics[0]:
-            record["selector_loss"] = sum(m["selector_loss"] for m in metrics) / len(metrics)
+        for name in ("selector_loss", "hidden_loss"):
+            if name in metrics[0]:
+                record[name] = sum(m[name] for m in metrics) / len(metrics)
         return record
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
