@@ -423,7 +423,9 @@ def test_the_hidden_loss_is_the_position_decayed_relative_error():
     labels[0, 2] = -100
     predecessors = torch.randint(2, 64, (5, 3), generator=generator)
     base, _ = block_loss(drafter, hidden, labels, predecessors, 2.0)
-    with_hidden, metrics = block_loss(drafter, hidden, labels, predecessors, 2.0, hidden_targets=goal, hidden_weight=3.0)
+    with_hidden, metrics = block_loss(
+        drafter, hidden, labels, predecessors, 2.0, hidden_targets=goal, hidden_weight=3.0
+    )
     weights = position_weights(3, 2.0)[None].expand(5, 3) * (labels >= 0)
     relative = ((hidden - goal) ** 2).mean(-1) / (goal**2).mean(-1)
     expected = float((relative * weights).sum() / weights.sum())

@@ -165,7 +165,8 @@ class FeatureStore:
             )
         if final_hidden is not None and final_hidden.shape != (total, self.meta.hidden_size):
             raise ValueError(
-                f"shard final_hidden {tuple(final_hidden.shape)} does not match {total} tokens x {self.meta.hidden_size}"
+                f"shard final_hidden {tuple(final_hidden.shape)} does not match "
+                f"{total} tokens x {self.meta.hidden_size}"
             )
         number = len(self.shards)
         arrays = {
@@ -218,7 +219,8 @@ class FeatureStore:
             "topk_logprobs": torch.from_numpy(np.array(arrays["topk_logprobs"][start:end], dtype=np.float32)),
         }
         if self.meta.final_hidden:
-            item["final_hidden"] = torch.from_numpy(np.array(arrays[FINAL_HIDDEN_ARRAY][start:end])).view(torch.bfloat16)
+            final = np.array(arrays[FINAL_HIDDEN_ARRAY][start:end])
+            item["final_hidden"] = torch.from_numpy(final).view(torch.bfloat16)
         return item
 
     def sequence_ids(self) -> list[str]:
