@@ -63,6 +63,7 @@ def export_head(
         "vocab_subset": config["vocab_subset"],
         "seed": config["seed"],
         "label_source": config.get("label_source", "data"),
+        "hidden_weight": config.get("hidden_weight", 0.0),
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
         "initialized_from": state.get("initialized_from"),
