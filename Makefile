@@ -409,13 +409,19 @@ store-smollm2-s26: regenerate-smollm2-s26
 		--source data/regen_sharegpt_s26.jsonl,data/regen_code_s26.jsonl --target-layer-ids 1,7,14,20,27 \
 		--max-length 832 --max-tokens 4000000
 
-finetune-smollm2-s26: store-smollm2-s26
-	$(VENV)/bin/hf-dflash2 train --store data/store_s26 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
-		--output runs/finetune_$(S26_NAME) --steps $(S26_STEPS) \
+# $(call finetune_committed,STORE,RUN,EXTRA): session 26's fine-tune of the committed head (argmax labels, a
+# moving average), then both exports; EXTRA adds train options.
+define finetune_committed
+	$(VENV)/bin/hf-dflash2 train --store $(1) --init-from heads/smollm2-135m-dflash2 --max-length 832 \
+		--output $(2) --steps $(S26_STEPS) \
 		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 \
-		--ema-decay 0.998 --resume
-	$(PY) -m hf_dflash2.training.export runs/finetune_$(S26_NAME) runs/finetune_$(S26_NAME)/export
-	$(PY) -m hf_dflash2.training.export runs/finetune_$(S26_NAME) runs/finetune_$(S26_NAME)/export_ema --ema
+		--ema-decay 0.998 $(3) --resume
+	$(PY) -m hf_dflash2.training.export $(2) $(2)/export
+	$(PY) -m hf_dflash2.training.export $(2) $(2)/export_ema --ema
+endef
+
+finetune-smollm2-s26: store-smollm2-s26
+	$(call finetune_committed,data/store_s26,runs/finetune_$(S26_NAME),)
 	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export \
 		--output runs/soup_$(S26_NAME)
 	$(VENV)/bin/hf-dflash2 average heads/smollm2-135m-dflash2 runs/finetune_$(S26_NAME)/export_ema \
@@ -449,12 +455,7 @@ store-smollm2-s28: regenerate-smollm2-s26
 		--max-length 832 --max-tokens 4000000
 
 finetune-smollm2-s28: store-smollm2-s28
-	$(VENV)/bin/hf-dflash2 train --store data/store_s28 --init-from heads/smollm2-135m-dflash2 --max-length 832 \
-		--output runs/finetune_$(S28_NAME) --steps $(S26_STEPS) \
-		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 \
-		--ema-decay 0.998 --hidden-weight $(S28_HIDDEN_WEIGHT) --resume
-	$(PY) -m hf_dflash2.training.export runs/finetune_$(S28_NAME) runs/finetune_$(S28_NAME)/export
-	$(PY) -m hf_dflash2.training.export runs/finetune_$(S28_NAME) runs/finetune_$(S28_NAME)/export_ema --ema
+	$(call finetune_committed,data/store_s28,runs/finetune_$(S28_NAME),--hidden-weight $(S28_HIDDEN_WEIGHT))
 	for slice in 0 1; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_$(S28_NAME)/export \
 		runs/finetune_$(S28_NAME)/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round28_$(S28_NAME)_slice$$slice.json || exit 1; done
