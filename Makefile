@@ -461,10 +461,10 @@ finetune-smollm2-s28: store-smollm2-s28
 		--output benchmarks/results/heldout_tau_round28_$(S28_NAME)_slice$$slice.json || exit 1; done
 
 # Session 28's control: the same fine-tune at --hidden-weight 0 (session 26's arm again), then the committed
-# head and both moving averages on two prompt slices no head was chosen on (2 and 3).
+# head and both moving averages on four prompt slices no head was chosen on (2-5).
 control-smollm2-s28: finetune-smollm2-s28
 	$(MAKE) finetune-smollm2-s28 S28_NAME=s28_hidden0 S28_HIDDEN_WEIGHT=0
-	for slice in 2 3; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s28_hidden0/export_ema \
+	for slice in 2 3 4 5; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s28_hidden0/export_ema \
 		runs/finetune_s28_hidden1/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round28_slice$$slice.json || exit 1; done
 
