@@ -37,13 +37,14 @@ def random_records(n=7, vocab=64, seed=0):
     return records
 
 
-def meta_for(target, top_k=8):
+def meta_for(target, top_k=8, final_hidden=False):
     return StoreMeta(
         target="tiny",
         target_layer_ids=LAYERS,
         hidden_size=target.config.hidden_size,
         vocab_size=target.config.vocab_size,
         top_k=top_k,
+        final_hidden=final_hidden,
     )
 
 
@@ -382,7 +383,7 @@ def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_lab
 
     target = tiny_target(vocab_size=64)
     records = random_records(n=5)
-    meta = StoreMeta(**{**meta_for(target).__dict__, "final_hidden": True})
+    meta = meta_for(target, final_hidden=True)
     build_store(target, records, FeatureStore(tmp_path / "s", meta), tokens_per_batch=96, tokens_per_shard=50)
     store = FeatureStore(tmp_path / "s")
     by_id = {store[i]["id"]: store[i] for i in range(len(store))}
@@ -400,6 +401,8 @@ def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_lab
             predicted = target.lm_head(goal.float()).argmax(-1)
         inside = labels >= 0
         assert inside.sum() >= 7 and (predicted == labels)[inside].float().mean() >= 0.9
+        # ...and the first token after anchor a is the one the target predicts at a itself
+        assert torch.equal(labels[:, 0], out.logits[0, anchors].argmax(-1))
     # a store is one kind or the other: reopening it with the other meta, or a shard without the array, is refused
     with pytest.raises(ValueError, match="final_hidden=True"):
         FeatureStore(tmp_path / "s", meta_for(target))
@@ -440,7 +443,7 @@ def test_hidden_distillation_trains_and_needs_a_store_with_final_states(tmp_path
 
     target = tiny_target(vocab_size=64)
     records = [{"id": str(i), **s} for i, s in enumerate(toy_sequences())]
-    meta = StoreMeta(**{**meta_for(target).__dict__, "final_hidden": True})
+    meta = meta_for(target, final_hidden=True)
     store = build_store(target, records, FeatureStore(tmp_path / "s", meta))
     drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=LAYERS)
     config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=40, batch_size=2, anchors_per_sequence=6,

@@ -59,6 +59,16 @@ class StoreMeta:
         return ARRAYS + ((FINAL_HIDDEN_ARRAY,) if self.final_hidden else ())
 
 
+def _bf16_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A tensor as bf16, stored as int16 bits (numpy has no bf16)."""
+    return tensor.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+
+
+def _from_bf16_bits(array: np.ndarray) -> torch.Tensor:
+    """A copy of stored int16 bits (e.g. a memory-mapped slice) as a bf16 tensor."""
+    return torch.from_numpy(np.array(array)).view(torch.bfloat16)
+
+
 def _fsync_write(path: Path, array: np.ndarray) -> None:
     with open(path, "wb") as handle:
         np.save(handle, array)
@@ -171,12 +181,12 @@ class FeatureStore:
         number = len(self.shards)
         arrays = {
             "tokens": np.concatenate([np.asarray(s["input_ids"], dtype=np.int32) for s in sequences]),
-            "features": features.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy(),
+            "features": _bf16_bits(features),
             "topk_ids": topk_ids.to(torch.int32).cpu().numpy(),
             "topk_logprobs": topk_logprobs.to(torch.float16).cpu().numpy(),
         }
         if final_hidden is not None:
-            arrays[FINAL_HIDDEN_ARRAY] = final_hidden.to(torch.bfloat16).contiguous().view(torch.int16).cpu().numpy()
+            arrays[FINAL_HIDDEN_ARRAY] = _bf16_bits(final_hidden)
         for name, array in arrays.items():
             _fsync_write(self.root / f"shard{number:05d}.{name}.npy", array)
         offsets = np.cumsum([0] + [len(s["input_ids"]) for s in sequences]).tolist()
@@ -214,13 +224,12 @@ class FeatureStore:
             "id": shard["ids"][j],
             "input_ids": torch.from_numpy(np.array(arrays["tokens"][start:end], dtype=np.int64)),
             "response_start": shard["response_starts"][j],
-            "features": torch.from_numpy(np.array(arrays["features"][start:end])).view(torch.bfloat16),
+            "features": _from_bf16_bits(arrays["features"][start:end]),
             "topk_ids": torch.from_numpy(np.array(arrays["topk_ids"][start:end], dtype=np.int64)),
             "topk_logprobs": torch.from_numpy(np.array(arrays["topk_logprobs"][start:end], dtype=np.float32)),
         }
         if self.meta.final_hidden:
-            final = np.array(arrays[FINAL_HIDDEN_ARRAY][start:end])
-            item["final_hidden"] = torch.from_numpy(final).view(torch.bfloat16)
+            item["final_hidden"] = _from_bf16_bits(arrays[FINAL_HIDDEN_ARRAY][start:end])
         return item
 
     def sequence_ids(self) -> list[str]:

@@ -181,12 +181,16 @@ def sequence_blocks(ids: torch.Tensor, block_size: int, anchors: torch.Tensor, m
     return block_ids, labels, predecessors
 
 
+def predicting_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[n, B-1]: the text position at which the target predicts block token k after anchor a (a + k - 1)."""
+    return anchors[:, None] + torch.arange(block_size - 1)
+
+
 def final_hidden_for_blocks(item: dict, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n, B-1, H] the target's LM-head input where it predicts each block token (at a + k - 1), the
-    distillation target of the head's own LM-head input there. Positions past the end repeat the last
-    one; their labels are -100, so they carry no loss."""
-    index = (anchors[:, None] + torch.arange(block_size - 1)).clamp(max=len(item["input_ids"]) - 1)
-    return item["final_hidden"][index]
+    """[n, B-1, H] the target's LM-head input where it predicts each block token, the distillation target
+    of the head's own LM-head input there. Positions past the end repeat the last one; their labels are
+    -100, so they carry no loss."""
+    return item["final_hidden"][predicting_positions(anchors, block_size).clamp(max=len(item["input_ids"]) - 1)]
 
 
 def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int, label_source: str):
@@ -198,7 +202,7 @@ def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int,
     [n, B-1, k] soft targets.
     """
     length = len(item["input_ids"])
-    index = anchors[:, None] + torch.arange(block_size - 1)  # the position predicting each block token
+    index = predicting_positions(anchors, block_size)
     inside = index + 1 < length
     safe = index.clamp(max=length - 1)
     labels = torch.where(inside, item["topk_ids"][safe, 0], torch.full_like(index, -100))
