@@ -87,6 +87,36 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "nothing")
 
 
+def test_store_command_refuses_a_mismatched_store_before_the_target_loads(tmp_path, monkeypatch):
+    from hf_dflash2 import assets
+    from hf_dflash2.cli import main
+
+    target = tiny_target(vocab_size=64)
+    folder = tmp_path / "s"
+    meta = meta_for(target)
+    meta.target = "SmolLM2-135M-Instruct (offline GGUF)"  # what the command records for the default target
+    build_store(target, random_records(n=2), FeatureStore(folder, meta))
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load before the store's meta is checked")
+
+    monkeypatch.setattr(assets, "load_target", no_target)
+    store = ["store", "--output", str(folder), "--mixed-precision", "fp32", "--top-k", "8",
+             "--target-layer-ids", ",".join(map(str, LAYERS))]
+    with pytest.raises(SystemExit, match=r"built with final_hidden=False, not True"):
+        main([*store, "--final-hidden"])
+    with pytest.raises(SystemExit, match=r"built with top_k=8, not 32"):
+        main([*store[:-4], "--top-k", "32"])
+    with pytest.raises(SystemExit, match=r"built with target_layer_ids=\[1, 3, 4\], not \[1, 2, 4\]"):
+        main([*store[:-2], "--target-layer-ids", "1,2,4"])
+    with pytest.raises(SystemExit, match=r"built with target='SmolLM2-135M-Instruct \(offline GGUF\)', not 'other/lm'"):
+        main([*store, "--target", "other/lm"])
+    with pytest.raises(AssertionError, match="must not load"):  # a matching store gets as far as the target
+        main(store)
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # nothing written
+
+
 def test_a_token_cap_that_cuts_the_sources_short_says_so(tmp_path, caplog):
     target = tiny_target(vocab_size=64)
     records = random_records(n=6)

@@ -166,12 +166,17 @@ def _register_regenerate(sub) -> None:
 
 
 # ---------------------------------------------------------------------- store
+def _store_target_name(args) -> str:
+    return args.target or "SmolLM2-135M-Instruct (offline GGUF)"
+
+
 def cmd_store(args) -> int:
     from ..precision import PRECISION_CHOICES
     from .store import (
         FeatureStore,
         StoreMeta,
         build_store,
+        check_store_fields,
         drop_evaluation_prompts,
         encode_exchange,
         regenerated_records,
@@ -184,15 +189,24 @@ def cmd_store(args) -> int:
     for source in sources:
         if source != "sharegpt" and not Path(source).exists():
             raise SystemExit(f"--source {source!r}: neither 'sharegpt' nor an existing regenerated JSONL")
+    layer_ids = _layer_ids(args.target_layer_ids)
+    known_before_loading = {
+        "target": _store_target_name(args), "top_k": args.top_k, "final_hidden": args.final_hidden,
+    }
+    if layer_ids is not None:
+        known_before_loading["target_layer_ids"] = layer_ids
+    try:  # the fields the arguments fix, before the (possibly large) target loads
+        check_store_fields(args.output, fields=known_before_loading)
+    except ValueError as error:
+        raise SystemExit(f"hf-dflash2 store: {error}") from None
     target, tokenizer, dtype = _load_target(args, args.mixed_precision)
     text_config = target.config.get_text_config()
-    layer_ids = _layer_ids(args.target_layer_ids)
     if layer_ids is None:
         from ..configuration_dflash2 import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(text_config.num_hidden_layers, 5)
     meta = StoreMeta(
-        target=args.target or "SmolLM2-135M-Instruct (offline GGUF)",
+        target=_store_target_name(args),
         target_layer_ids=layer_ids,
         hidden_size=text_config.hidden_size,
         vocab_size=text_config.vocab_size,

@@ -76,6 +76,32 @@ def _fsync_write(path: Path, array: np.ndarray) -> None:
         os.fsync(handle.fileno())
 
 
+# What a store was built with; appending with any other value would mix two kinds of rows.
+_BUILD_FIELDS = ("target", "target_layer_ids", "hidden_size", "vocab_size", "top_k", "final_hidden")
+
+
+def check_store_fields(root: str | Path, stored: StoreMeta | None = None, fields: dict | None = None) -> None:
+    """Refuse to append to the store at ``root`` with build ``fields`` other than its own (named in the error).
+
+    ``fields`` may hold only some of the build fields: ``hf-dflash2 store`` checks those its arguments fix
+    before it loads the target, and the rest (sizes from the target's config) once the target is loaded.
+    A folder without ``meta.json`` (a new store) passes.
+    """
+    if stored is None:
+        meta_path = Path(root) / "meta.json"
+        if not meta_path.exists():
+            return
+        stored = StoreMeta(**json.loads(meta_path.read_text()))
+    for name, value in (fields or {}).items():
+        if name not in _BUILD_FIELDS:
+            raise KeyError(f"{name!r} is not a store build field; those are {_BUILD_FIELDS}")
+        if value != getattr(stored, name):
+            raise ValueError(
+                f"store {root} was built with {name}={getattr(stored, name)!r}, "
+                f"not {value!r}: use another --store folder"
+            )
+
+
 class FeatureStore:
     """Append-only, resumable store of target features and labels. Index a sequence with ``store[i]``.
 
@@ -91,12 +117,7 @@ class FeatureStore:
         if meta_path.exists():
             stored = StoreMeta(**json.loads(meta_path.read_text()))
             if meta is not None:
-                for name in ("target", "target_layer_ids", "hidden_size", "vocab_size", "top_k", "final_hidden"):
-                    if getattr(meta, name) != getattr(stored, name):
-                        raise ValueError(
-                            f"store {self.root} was built with {name}={getattr(stored, name)!r}, "
-                            f"not {getattr(meta, name)!r}: use another --store folder"
-                        )
+                check_store_fields(self.root, stored, {name: getattr(meta, name) for name in _BUILD_FIELDS})
             self.meta = stored
         elif meta is None:
             raise FileNotFoundError(
