@@ -1,0 +1,165 @@
+"""Held-out tau pooled over prompt slices, and each head's per-slice difference from a baseline head.
+
+One slice (16 prompts) moves a head's tau by about +-0.1, so a choice made on one or two slices is mostly
+noise, and the slice a head was chosen on flatters it. This pools the ``benchmarks/heldout_tau.py`` reports
+of several slices: per head and prompt set, tau over all the slices' rounds (committed tokens / rounds),
+and against ``--baseline`` the mean per-slice difference with its standard error, on the slices both were
+run on. A report's slice is its ``--prompt-slice`` (0 when absent). Held-out tau is deterministic, so a
+head and slice found in two reports must agree; a disagreement is an error, not averaged away.
+
+    python benchmarks/heldout_slices.py benchmarks/results/heldout_tau_round29_slice*.json \\
+        --baseline heads/smollm2-135m-dflash2 --slices 1-9 --output benchmarks/results/heldout_slices_round29
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+SETS = ("humaneval", "mtbench")
+
+
+def slice_of(report: dict, path: Path) -> int:
+    argv = shlex.split(report.get("command", ""))
+    if "--prompt-slice" in argv:
+        return int(argv[argv.index("--prompt-slice") + 1])
+    if any(re.match(r"--prompt-slice=", a) for a in argv):
+        raise SystemExit(f"{path}: write --prompt-slice N, not --prompt-slice=N, in the recorded command")
+    return 0
+
+
+def parse_slices(spec: str | None) -> set[int] | None:
+    """``"1-5,7"`` -> {1, 2, 3, 4, 5, 7}; ``None`` -> every slice found."""
+    if spec is None:
+        return None
+    chosen = set()
+    for part in spec.split(","):
+        try:
+            low, _, high = part.partition("-")
+            chosen.update(range(int(low), int(high or low) + 1))
+        except ValueError:
+            raise SystemExit(f"--slices {spec!r}: expected e.g. 1-9 or 1,3,5") from None
+    return chosen
+
+
+def collect(paths: list[Path], slices: set[int] | None) -> dict[str, dict[int, dict]]:
+    """head -> slice -> {set: {"rounds", "committed"}}, from every report."""
+    table: dict[str, dict[int, dict]] = {}
+    for path in paths:
+        report = json.loads(path.read_text())
+        k = slice_of(report, path)
+        if slices is not None and k not in slices:
+            continue
+        for head, by_set in report["results"].items():
+            cells = {s: {"rounds": by_set[s]["rounds"], "committed": by_set[s]["committed"]} for s in SETS}
+            known = table.setdefault(head, {}).get(k)
+            if known is not None and known != cells:
+                raise SystemExit(f"{head} on slice {k}: {path} says {cells}, an earlier report {known}")
+            table[head][k] = cells
+    return table
+
+
+def summarise(table: dict[str, dict[int, dict]], baseline: str | None) -> dict:
+    summary = {}
+    for head, by_slice in table.items():
+        row = {"slices": sorted(by_slice)}
+        for s in SETS:
+            rounds = sum(c[s]["rounds"] for c in by_slice.values())
+            row[s] = {"tau": round(sum(c[s]["committed"] for c in by_slice.values()) / rounds, 3)}
+            if baseline is not None and baseline in table and head != baseline:
+                shared = sorted(set(by_slice) & set(table[baseline]))
+                diffs = [
+                    by_slice[k][s]["committed"] / by_slice[k][s]["rounds"]
+                    - table[baseline][k][s]["committed"] / table[baseline][k][s]["rounds"]
+                    for k in shared
+                ]
+                if diffs:
+                    mean = sum(diffs) / len(diffs)
+                    spread = (
+                        math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
+                        if len(diffs) > 1 else float("nan")
+                    )
+                    row[s].update(
+                        vs_baseline=round(mean, 3),
+                        standard_error=round(spread, 3),
+                        slices_won=sum(d > 0 for d in diffs),
+                        slices_compared=len(diffs),
+                    )
+        summary[head] = row
+    return summary
+
+
+def markdown(summary: dict, baseline: str | None) -> str:
+    versus = "vs baseline (± s.e., slices won)"
+    lines = [f"| head | slices | HumanEval τ | {versus} | MT-Bench τ | {versus} |", "|---|---|---|---|---|---|"]
+    for head, row in summary.items():
+        cells = [head + (" (baseline)" if head == baseline else ""), f"{len(row['slices'])}"]
+        for s in SETS:
+            cell = row[s]
+            cells.append(f"{cell['tau']:.3f}")
+            if "vs_baseline" in cell:
+                won = f"{cell['slices_won']}/{cell['slices_compared']}"
+                cells.append(f"{cell['vs_baseline']:+.3f} ± {cell['standard_error']:.3f}, {won}")
+            else:
+                cells.append("—")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def draw(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = list(summary)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(heads)), 4))
+    width = 0.38
+    for i, s in enumerate(SETS):
+        values = [summary[h][s]["tau"] for h in heads]
+        ax.bar([x + (i - 0.5) * width for x in range(len(heads))], values, width, label=s)
+    ax.set_xticks(range(len(heads)))
+    ax.set_xticklabels([Path(h).parent.name + "/" + Path(h).name for h in heads], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("held-out τ, pooled over slices")
+    ax.set_ylim(1.0, None)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("reports", nargs="+", type=Path, help="heldout_tau.py JSON reports")
+    parser.add_argument("--baseline", default=None, help="the head to compare with, as reports name it")
+    parser.add_argument("--slices", default=None, help="only these slices, e.g. 1-9 (default: every one found)")
+    parser.add_argument("--output", type=Path, default=None, help="writes OUTPUT.json, OUTPUT.md and OUTPUT.png")
+    args = parser.parse_args()
+    missing = [str(p) for p in args.reports if not p.is_file()]
+    if missing:
+        raise SystemExit(f"no such report: {', '.join(missing)}")
+    table = collect(args.reports, parse_slices(args.slices))
+    if not table:
+        raise SystemExit(f"no report holds a slice in --slices {args.slices}")
+    if args.baseline is not None and args.baseline not in table:
+        raise SystemExit(f"--baseline {args.baseline!r} is in no report; heads found: {sorted(table)}")
+    summary = summarise(table, args.baseline)
+    text = markdown(summary, args.baseline)
+    print(text)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        command = " ".join(["python", "benchmarks/heldout_slices.py"] + sys.argv[1:])
+        args.output.with_suffix(".json").write_text(
+            json.dumps({"command": command, "baseline": args.baseline, "heads": summary}, indent=1)
+        )
+        args.output.with_suffix(".md").write_text(f"`{command}`\n\n{text}\n")
+        draw(summary, args.output.with_suffix(".png"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
