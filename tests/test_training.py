@@ -548,3 +548,17 @@ def test_moving_average_follows_its_recurrence_resumes_exactly_and_is_checkpoint
     with pytest.raises(ValueError, match="no moving average"):
         export_head(tmp_path / "e", tmp_path / "head", ema=True)
     assert not (tmp_path / "head").exists()
+
+
+def test_loss_gamma_sets_the_position_decay_of_the_loss(tmp_path):
+    from hf_dflash2.training.losses import decay_gamma
+
+    default = make_trainer(tmp_path / "a", steps=1)
+    steep = make_trainer(tmp_path / "b", steps=1, loss_gamma=1.0)
+    assert default.gamma == decay_gamma(4) and steep.gamma == 1.0
+    # Same init, data and seed: the first step's loss differs only through the position weights.
+    first_default, first_steep = default.train()[0], steep.train()[0]
+    assert first_default["loss"] != pytest.approx(first_steep["loss"], rel=1e-4)
+    for bad in (0.0, -2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"loss_gamma must be a finite number > 0 .*got {bad}"):
+            TrainingConfig(loss_gamma=bad).validate()

@@ -319,6 +319,7 @@ def cmd_train(args) -> int:
         logit_ramp_steps=args.logit_ramp_steps,
         ema_decay=args.ema_decay,
         hidden_weight=args.hidden_weight,
+        loss_gamma=args.loss_gamma,
     )
     try:
         config.validate()
@@ -461,6 +462,9 @@ def _register_train(sub) -> None:
     p.add_argument("--hidden-weight", type=float, default=d["hidden_weight"],
                    help="weight of a loss pulling the head's LM-head input towards the target's at each drafted "
                    "position (relative squared error; needs a store built with --final-hidden; 0: off)")
+    p.add_argument("--loss-gamma", type=float, default=d["loss_gamma"],
+                   help="decay of the loss over block positions, weight exp(-(k-1)/gamma) "
+                   "(default: the DFlash paper's for the block size, 4 at B = 8)")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
     p.add_argument(

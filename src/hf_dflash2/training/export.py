@@ -64,6 +64,7 @@ def export_head(
         "seed": config["seed"],
         "label_source": config.get("label_source", "data"),
         "hidden_weight": config.get("hidden_weight", 0.0),
+        "loss_gamma": config.get("loss_gamma") or "by block size (DFlash paper)",
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
         "initialized_from": state.get("initialized_from"),

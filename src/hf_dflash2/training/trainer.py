@@ -69,6 +69,10 @@ class TrainingConfig:
     # 0: off. Otherwise the weight of a loss pulling the head's LM-head input at each drafted position
     # towards the target's own (a store built with ``final_hidden``): relative squared error, position-decayed.
     hidden_weight: float = 0.0
+    # gamma of the position-decayed loss, w_k = exp(-(k - 1) / gamma). None: the DFlash paper's for the block
+    # size (4 at B = 8, 7 at B = 16). A weak head accepts ~0.5-0.6 per position, so position k adds ~0.55^(k-1)
+    # to tau: a smaller gamma spends the head's capacity where acceptance is decided.
+    loss_gamma: float | None = None
     extra: dict = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -94,6 +98,8 @@ class TrainingConfig:
             raise ValueError(f"ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
         if not (self.hidden_weight >= 0 and math.isfinite(self.hidden_weight)):
             raise ValueError(f"hidden_weight must be a finite number >= 0 (0: off), got {self.hidden_weight}")
+        if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
+            raise ValueError(f"loss_gamma must be a finite number > 0 (or None: by block size), got {self.loss_gamma}")
 
 
 def load_sequences(path: str | Path, max_length: int) -> list[dict]:
@@ -317,7 +323,7 @@ class Trainer:
         drafter.bind_target(self.target)
         self.sequences = sequences
         self.eval_prompts = eval_prompts or []
-        self.gamma = decay_gamma(drafter.config.block_size)
+        self.gamma = config.loss_gamma or decay_gamma(drafter.config.block_size)
         self.vocab_subset = None
         if config.vocab_subset == "data" and store is not None:
             self.vocab_subset = store.response_vocabulary(config.draft_vocab_size).to(self.accelerator.device)
