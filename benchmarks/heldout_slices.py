@@ -64,6 +64,15 @@ def collect(paths: list[Path], slices: set[int] | None) -> dict[str, dict[int, d
     return table
 
 
+def complete_heads(table: dict[str, dict[int, dict]], baseline: str | None) -> tuple[dict, dict[str, list[int]]]:
+    """Only the heads run on every slice the baseline (or, without one, the most-run head) was run on: a head
+    pooled over other slices is not comparable. Returns the kept table and the left-out heads' slices."""
+    reference = set(table[baseline]) if baseline is not None else max((set(v) for v in table.values()), key=len)
+    kept = {h: {k: v for k, v in by_slice.items() if k in reference} for h, by_slice in table.items()
+            if reference <= set(by_slice)}
+    return kept, {h: sorted(by_slice) for h, by_slice in table.items() if h not in kept}
+
+
 def summarise(table: dict[str, dict[int, dict]], baseline: str | None) -> dict:
     summary = {}
     for head, by_slice in table.items():
@@ -147,8 +156,11 @@ def main() -> int:
         raise SystemExit(f"no report holds a slice in --slices {args.slices}")
     if args.baseline is not None and args.baseline not in table:
         raise SystemExit(f"--baseline {args.baseline!r} is in no report; heads found: {sorted(table)}")
+    table, left_out = complete_heads(table, args.baseline)
     summary = summarise(table, args.baseline)
     text = markdown(summary, args.baseline)
+    if left_out:
+        text += "\n\nLeft out, not run on every slice: " + "; ".join(f"{h} (slices {v})" for h, v in left_out.items())
     print(text)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -57,3 +57,17 @@ def test_two_reports_that_disagree_on_a_head_and_slice_are_refused(tmp_path):
         slices.collect(reports, None)
     with pytest.raises(SystemExit, match=r"--slices 'one': expected"):
         slices.parse_slices("one")
+
+
+def test_heads_not_run_on_every_baseline_slice_are_left_out(tmp_path):
+    slices = _module()
+    reports = [
+        _report(tmp_path / "0.json", 0, {"A": ((10, 20), (10, 20)), "B": ((10, 30), (10, 20))}),
+        _report(tmp_path / "1.json", 1, {"A": ((10, 20), (10, 20)), "C": ((10, 30), (10, 20))}),
+        _report(tmp_path / "2.json", 2, {"A": ((10, 20), (10, 20)), "B": ((10, 30), (10, 20)), "C": ((1, 3), (1, 2))}),
+    ]
+    table = slices.collect(reports, None)
+    kept, left_out = slices.complete_heads(table, "A")
+    assert set(kept) == {"A"} and left_out == {"B": [0, 2], "C": [1, 2]}
+    kept, left_out = slices.complete_heads(slices.collect(reports, {0, 2}), "A")
+    assert set(kept) == {"A", "B"} and left_out == {"C": [2]}
