@@ -7,7 +7,7 @@ and against ``--baseline`` the mean per-slice difference with its standard error
 run on. A report's slice is its ``--prompt-slice`` (0 when absent). Held-out tau is deterministic, so a
 head and slice found in two reports must agree; a disagreement is an error, not averaged away.
 
-    python benchmarks/heldout_slices.py benchmarks/results/heldout_tau_round29_slice*.json \\
+    python benchmarks/heldout_slices.py benchmarks/results/heldout_tau_round2[89]*slice*.json \\
         --baseline heads/smollm2-135m-dflash2 --slices 1-9 --output benchmarks/results/heldout_slices_round29
 """
 
@@ -33,29 +33,47 @@ def slice_of(report: dict, path: Path) -> int:
     return 0
 
 
+def protocol_of(report: dict) -> dict:
+    """What a report measured besides its heads: tau is only comparable under one protocol per slice."""
+    argv = shlex.split(report.get("command", ""))
+
+    def option(name: str, default: str) -> str:
+        return argv[argv.index(name) + 1] if name in argv else default
+
+    return {"--tokens": option("--tokens", "64"), "--dtype": option("--dtype", "fp32"),
+            "prompts": report.get("prompts")}
+
+
 def parse_slices(spec: str | None) -> set[int] | None:
     """``"1-5,7"`` -> {1, 2, 3, 4, 5, 7}; ``None`` -> every slice found."""
     if spec is None:
         return None
     chosen = set()
     for part in spec.split(","):
-        try:
-            low, _, high = part.partition("-")
-            chosen.update(range(int(low), int(high or low) + 1))
-        except ValueError:
-            raise SystemExit(f"--slices {spec!r}: expected e.g. 1-9 or 1,3,5") from None
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if match is None or (match[2] is not None and int(match[2]) < int(match[1])):
+            raise SystemExit(f"--slices {spec!r}: expected e.g. 1-9 or 1,3,5 (a range runs low-high)")
+        chosen.update(range(int(match[1]), int(match[2] or match[1]) + 1))
     return chosen
 
 
 def collect(paths: list[Path], slices: set[int] | None) -> dict[str, dict[int, dict]]:
     """head -> slice -> {set: {"rounds", "committed"}}, from every report."""
     table: dict[str, dict[int, dict]] = {}
+    protocols: dict[int, tuple[dict, Path]] = {}
     for path in paths:
         report = json.loads(path.read_text())
         k = slice_of(report, path)
         if slices is not None and k not in slices:
             continue
+        protocol = protocol_of(report)
+        first, first_path = protocols.setdefault(k, (protocol, path))
+        for field_name in protocol:
+            if protocol[field_name] != first[field_name]:
+                raise SystemExit(f"slice {k}: {path} was measured with {field_name} {protocol[field_name]!r}, "
+                                 f"{first_path} with {first[field_name]!r}: tau under two protocols is not pooled")
         for head, by_set in report["results"].items():
+            head = head.rstrip("/")
             cells = {s: {"rounds": by_set[s]["rounds"], "committed": by_set[s]["committed"]} for s in SETS}
             known = table.setdefault(head, {}).get(k)
             if known is not None and known != cells:
@@ -90,12 +108,12 @@ def summarise(table: dict[str, dict[int, dict]], baseline: str | None) -> dict:
                 if diffs:
                     mean = sum(diffs) / len(diffs)
                     spread = (
-                        math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
-                        if len(diffs) > 1 else float("nan")
+                        round(math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs)), 3)
+                        if len(diffs) > 1 else None  # one slice: no spread to speak of (and NaN is not JSON)
                     )
                     row[s].update(
                         vs_baseline=round(mean, 3),
-                        standard_error=round(spread, 3),
+                        standard_error=spread,
                         slices_won=sum(d > 0 for d in diffs),
                         slices_compared=len(diffs),
                     )
@@ -104,7 +122,7 @@ def summarise(table: dict[str, dict[int, dict]], baseline: str | None) -> dict:
 
 
 def markdown(summary: dict, baseline: str | None) -> str:
-    versus = "vs baseline (± s.e., slices won)"
+    versus = "vs baseline: mean per-slice difference (± s.e., slices won)"
     lines = [f"| head | slices | HumanEval τ | {versus} | MT-Bench τ | {versus} |", "|---|---|---|---|---|---|"]
     for head, row in summary.items():
         cells = [head + (" (baseline)" if head == baseline else ""), f"{len(row['slices'])}"]
@@ -113,7 +131,8 @@ def markdown(summary: dict, baseline: str | None) -> str:
             cells.append(f"{cell['tau']:.3f}")
             if "vs_baseline" in cell:
                 won = f"{cell['slices_won']}/{cell['slices_compared']}"
-                cells.append(f"{cell['vs_baseline']:+.3f} ± {cell['standard_error']:.3f}, {won}")
+                spread = "—" if cell["standard_error"] is None else f"{cell['standard_error']:.3f}"
+                cells.append(f"{cell['vs_baseline']:+.3f} ± {spread}, {won}")
             else:
                 cells.append("—")
         lines.append("| " + " | ".join(cells) + " |")

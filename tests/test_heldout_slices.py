@@ -55,8 +55,21 @@ def test_two_reports_that_disagree_on_a_head_and_slice_are_refused(tmp_path):
     assert slices.collect(reports[:2], None)["A"][3]["humaneval"]["committed"] == 200
     with pytest.raises(SystemExit, match=r"A on slice 3: .*c\.json says"):
         slices.collect(reports, None)
-    with pytest.raises(SystemExit, match=r"--slices 'one': expected"):
-        slices.parse_slices("one")
+    for bad in ("one", "3-1", "1-", ""):
+        with pytest.raises(SystemExit, match=f"--slices {bad!r}: expected"):
+            slices.parse_slices(bad)
+    assert slices.parse_slices("1-3, 7") == {1, 2, 3, 7}
+
+
+def test_reports_of_one_slice_under_another_protocol_are_refused(tmp_path):
+    slices = _module()
+    plain = _report(tmp_path / "a.json", 2, {"A": ((100, 200), (50, 75))})
+    longer = _report(tmp_path / "b.json", 2, {"B": ((100, 200), (50, 75))})
+    longer.write_text(longer.read_text().replace("A B --prompt-slice 2", "A B --prompt-slice 2 --tokens 128"))
+    with pytest.raises(SystemExit, match=r"slice 2: .*b\.json was measured with --tokens '128', .*a\.json with '64'"):
+        slices.collect([plain, longer], None)
+    one_slice = slices.summarise(slices.collect([plain], None) | {"B": slices.collect([plain], None)["A"]}, "A")
+    assert one_slice["B"]["humaneval"]["standard_error"] is None  # not NaN, which JSON cannot hold
 
 
 def test_heads_not_run_on_every_baseline_slice_are_left_out(tmp_path):

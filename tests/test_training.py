@@ -562,3 +562,9 @@ def test_loss_gamma_sets_the_position_decay_of_the_loss(tmp_path):
     for bad in (0.0, -2.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=f"loss_gamma must be a finite number > 0 .*got {bad}"):
             TrainingConfig(loss_gamma=bad).validate()
+    # A resume keeps the decay the run started with (its checkpoint at step 1 is there).
+    with pytest.raises(ValueError, match=r"loss_gamma=3.0, but .* trained with loss_gamma=1.0"):
+        make_trainer(tmp_path / "b", steps=2, loss_gamma=3.0).train(resume=True)
+    with pytest.raises(ValueError, match=r"loss_gamma=None, but .* trained with loss_gamma=1.0"):
+        make_trainer(tmp_path / "b", steps=2).train(resume=True)
+    assert make_trainer(tmp_path / "b", steps=2, loss_gamma=1.0).train(resume=True)[-1]["step"] == 2

@@ -323,7 +323,7 @@ class Trainer:
         drafter.bind_target(self.target)
         self.sequences = sequences
         self.eval_prompts = eval_prompts or []
-        self.gamma = config.loss_gamma or decay_gamma(drafter.config.block_size)
+        self.gamma = decay_gamma(drafter.config.block_size) if config.loss_gamma is None else config.loss_gamma
         self.vocab_subset = None
         if config.vocab_subset == "data" and store is not None:
             self.vocab_subset = store.response_vocabulary(config.draft_vocab_size).to(self.accelerator.device)
@@ -588,6 +588,12 @@ class Trainer:
             raise ValueError(
                 f"ema_decay={self.config.ema_decay}, but {self.checkpoint_path} was trained with ema_decay="
                 f"{trained_decay}: resume with the same --ema-decay"
+            )
+        trained_gamma = state["config"].get("loss_gamma")
+        if trained_gamma != self.config.loss_gamma:  # one run, one objective: the recipe records a single value
+            raise ValueError(
+                f"loss_gamma={self.config.loss_gamma}, but {self.checkpoint_path} was trained with loss_gamma="
+                f"{trained_gamma} (None: by block size): resume with the same --loss-gamma"
             )
         if (state.get("feature_scale") is not None) != self.config.standardize_features:
             logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
