@@ -379,7 +379,7 @@ finetune-smollm2-s24: store-smollm2-s24
 SOUP_NAME ?= s25_c1
 SOUP_HEADS ?= runs/finetune_s25_mix/export runs/finetune_s24_code/export
 SOUP_WEIGHTS ?= 1,1
-# The head the mean is compared with. Since session 25 the committed head is this mean itself; session 25
+# The head the mean is compared with. Sessions 25-28 the committed head was this mean itself; session 25
 # compared with session 23's (mkdir -p runs/s23_head && git archive 3e2f4ea heads/smollm2-135m-dflash2 |
 # tar -x --strip-components=2 -C runs/s23_head, then SOUP_BASELINE=runs/s23_head).
 SOUP_BASELINE ?= heads/smollm2-135m-dflash2
@@ -462,6 +462,9 @@ finetune-smollm2-s28: store-smollm2-s28
 
 # Session 28's control: the same fine-tune at --hidden-weight 0 (session 26's arm again), then the committed
 # head and both moving averages on four prompt slices no head was chosen on (2-5).
+# Since session 29 the committed head is this run's moving average (runs/finetune_s28_hidden0/export_ema, chosen
+# on held-out tau pooled over slices 1-9); it starts from session 25's head: git checkout 10167c4 --
+# heads/smollm2-135m-dflash2 before re-running it.
 control-smollm2-s28: finetune-smollm2-s28
 	$(MAKE) finetune-smollm2-s28 S28_NAME=s28_hidden0 S28_HIDDEN_WEIGHT=0
 	for slice in 2 3 4 5; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/finetune_s28_hidden0/export_ema \
