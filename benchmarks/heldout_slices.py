@@ -24,23 +24,17 @@ from pathlib import Path
 SETS = ("humaneval", "mtbench")
 
 
-def slice_of(report: dict, path: Path) -> int:
+def recorded_options(report: dict, path: Path) -> dict[str, str]:
+    """The ``--name value`` options of the ``heldout_tau.py`` command a report records."""
     argv = shlex.split(report.get("command", ""))
-    if "--prompt-slice" in argv:
-        return int(argv[argv.index("--prompt-slice") + 1])
-    if any(re.match(r"--prompt-slice=", a) for a in argv):
-        raise SystemExit(f"{path}: write --prompt-slice N, not --prompt-slice=N, in the recorded command")
-    return 0
+    if any(a.startswith("--") and "=" in a for a in argv):
+        raise SystemExit(f"{path}: the recorded command writes an option as --name=value; expected --name value")
+    return {a: argv[i + 1] for i, a in enumerate(argv[:-1]) if a.startswith("--")}
 
 
-def protocol_of(report: dict) -> dict:
+def protocol_of(report: dict, options: dict[str, str]) -> dict:
     """What a report measured besides its heads: tau is only comparable under one protocol per slice."""
-    argv = shlex.split(report.get("command", ""))
-
-    def option(name: str, default: str) -> str:
-        return argv[argv.index(name) + 1] if name in argv else default
-
-    return {"--tokens": option("--tokens", "64"), "--dtype": option("--dtype", "fp32"),
+    return {"--tokens": options.get("--tokens", "64"), "--dtype": options.get("--dtype", "fp32"),
             "prompts": report.get("prompts")}
 
 
@@ -63,10 +57,11 @@ def collect(paths: list[Path], slices: set[int] | None) -> dict[str, dict[int, d
     protocols: dict[int, tuple[dict, Path]] = {}
     for path in paths:
         report = json.loads(path.read_text())
-        k = slice_of(report, path)
+        options = recorded_options(report, path)
+        k = int(options.get("--prompt-slice", 0))
         if slices is not None and k not in slices:
             continue
-        protocol = protocol_of(report)
+        protocol = protocol_of(report, options)
         first, first_path = protocols.setdefault(k, (protocol, path))
         for field_name in protocol:
             if protocol[field_name] != first[field_name]:

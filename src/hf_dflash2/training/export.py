@@ -48,9 +48,6 @@ def export_head(
         drafter.set_draft_vocab(_data_vocab(state, data_path, config, max_sequences))
     drafter.config.base_model = base_model or "HuggingFaceTB/SmolLM2-135M-Instruct"
     folder = save_head(drafter, head_dir, dtype=torch.bfloat16)
-    # the decay the run used; None in its config meant the paper's for the block size
-    loss_gamma = config.get("loss_gamma")
-    loss_gamma = decay_gamma(drafter.config.block_size) if loss_gamma is None else loss_gamma
     recipe = {
         "steps": state["step"],
         "planned_steps": config["steps"],
@@ -68,7 +65,7 @@ def export_head(
         "seed": config["seed"],
         "label_source": config.get("label_source", "data"),
         "hidden_weight": config.get("hidden_weight", 0.0),
-        "loss_gamma": loss_gamma,
+        "loss_gamma": decay_gamma(drafter.config.block_size, config.get("loss_gamma")),  # the decay the run used
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
         "initialized_from": state.get("initialized_from"),

@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from ..configuration_dflash2 import LOSS_DECAY_BY_BLOCK_SIZE
 
 
-def decay_gamma(block_size: int) -> float:
+def decay_gamma(block_size: int, chosen: float | None = None) -> float:
+    """The loss's position decay: ``chosen`` (``train --loss-gamma``), else the DFlash paper's for the block size."""
+    if chosen is not None:
+        return chosen
     if block_size in LOSS_DECAY_BY_BLOCK_SIZE:
         return LOSS_DECAY_BY_BLOCK_SIZE[block_size]
     return max(1.0, 7.0 * block_size / 16)

@@ -323,7 +323,7 @@ class Trainer:
         drafter.bind_target(self.target)
         self.sequences = sequences
         self.eval_prompts = eval_prompts or []
-        self.gamma = decay_gamma(drafter.config.block_size) if config.loss_gamma is None else config.loss_gamma
+        self.gamma = decay_gamma(drafter.config.block_size, config.loss_gamma)
         self.vocab_subset = None
         if config.vocab_subset == "data" and store is not None:
             self.vocab_subset = store.response_vocabulary(config.draft_vocab_size).to(self.accelerator.device)
@@ -583,18 +583,14 @@ class Trainer:
         if not self.checkpoint_path.exists():
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
-        trained_decay = state["config"].get("ema_decay", 0.0)
-        if trained_decay != self.config.ema_decay:  # the average must cover the run from its step 0
-            raise ValueError(
-                f"ema_decay={self.config.ema_decay}, but {self.checkpoint_path} was trained with ema_decay="
-                f"{trained_decay}: resume with the same --ema-decay"
-            )
-        trained_gamma = state["config"].get("loss_gamma")
-        if trained_gamma != self.config.loss_gamma:  # one run, one objective: the recipe records a single value
-            raise ValueError(
-                f"loss_gamma={self.config.loss_gamma}, but {self.checkpoint_path} was trained with loss_gamma="
-                f"{trained_gamma} (None: by block size): resume with the same --loss-gamma"
-            )
+        # The average must cover the run from its step 0; one run has one objective (the recipe records one value).
+        for name, default in (("ema_decay", 0.0), ("loss_gamma", None)):
+            trained, asked = state["config"].get(name, default), getattr(self.config, name)
+            if trained != asked:
+                raise ValueError(
+                    f"{name}={asked}, but {self.checkpoint_path} was trained with {name}={trained}: "
+                    f"resume with the same --{name.replace('_', '-')}"
+                )
         if (state.get("feature_scale") is not None) != self.config.standardize_features:
             logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
                            self.config.standardize_features, state.get("feature_scale") is not None)
