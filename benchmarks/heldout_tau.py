@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def evaluate(target, tokenizer, head_dirs: list[str], prompts: list[dict], tokens: int) -> dict:
     """``prompts``: ``training.commands.heldout_prompts``."""
     from hf_dflash2 import DFlash2DraftModel, speculative_generate
+    from hf_dflash2.generation import PLAIN_GREEDY
     from hf_dflash2.training.regenerate import encode_prompts
 
     encoded = encode_prompts(tokenizer, prompts, 1024)
@@ -35,7 +36,8 @@ def evaluate(target, tokenizer, head_dirs: list[str], prompts: list[dict], token
         for prompt_id, ids in encoded:
             name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
             result = speculative_generate(
-                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False, ngram_size=0
+                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False, ngram_size=0,
+                **PLAIN_GREEDY,
             )  # the head alone: every round verifies its block, no n-gram drafts (on by default since session 11)
             for key in (name, "all"):  # fresh copies: merge() accumulates into its receiver
                 by_set[key] = copy.deepcopy(result.stats) if key not in by_set else by_set[key].merge(result.stats)

@@ -20,11 +20,12 @@ are never holes). Finished rows are removed from the batch so they stop costing 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
@@ -68,22 +69,100 @@ class SpeculativeOutput:
     stats: SpeculativeStats
 
 
-def _eos_tensor(target, eos_token_id, device) -> torch.Tensor:
-    if eos_token_id is None:
-        eos_token_id = target.generation_config.eos_token_id
+# When neither the call, its generation config nor the target's sets a length (Transformers would stop at
+# max_length = 20 tokens in all, prompt included).
+DEFAULT_MAX_NEW_TOKENS = 64
+
+# Generation settings the fast loop does not apply, with the value that means "off". Each changes which
+# tokens the target would emit (or the shape of what generate returns), so a call that sets one is refused
+# instead of silently decoding another law; the Transformers path (generate(assistant_model=drafter)) applies
+# every logits processor, since Transformers verifies there.
+UNSUPPORTED_GENERATION_SETTINGS = {
+    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
+    "min_length": 0, "min_new_tokens": None, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+    "min_p": None, "top_h": None, "guidance_scale": None, "watermarking_config": None, "stop_strings": None,
+    "dola_layers": None, "return_dict_in_generate": False,
+}
+
+# Plain greedy decoding whatever the target's generation_config asks (sampling, a repetition penalty):
+# what the trainer's evaluation and held-out tau measure a head on.
+PLAIN_GREEDY = {"do_sample": False,
+                **{name: off for name, off in UNSUPPORTED_GENERATION_SETTINGS.items() if off is not None}}
+
+
+def resolve_generation_config(target, generation_config: GenerationConfig | None = None,
+                              **overrides) -> GenerationConfig:
+    """The settings a ``speculative_generate`` call decodes with, by Transformers' precedence: the call's
+    keyword arguments (``None`` = not given), then ``generation_config``, then ``target.generation_config``,
+    then Transformers' defaults (greedy; when sampling: temperature 1, top-k 50, top-p 1), so that it samples
+    the law ``target.generate`` would. The length: ``max_new_tokens``, else ``max_length`` (prompt included),
+    else ``DEFAULT_MAX_NEW_TOKENS``. Raises ``ValueError`` naming the setting for unknown options and for
+    settings the fast loop does not apply (``UNSUPPORTED_GENERATION_SETTINGS``), before any compute."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError("generation_config must be a transformers.GenerationConfig, "
+                         f"got {type(generation_config).__name__}")
+    config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    config.update(defaults_only=True, **target.generation_config.to_dict())
+    unknown = config.update(**{name: value for name, value in overrides.items() if value is not None})
+    if unknown:
+        raise ValueError(f"speculative_generate got unknown generation options {sorted(unknown)}")
+    for name, off in UNSUPPORTED_GENERATION_SETTINGS.items():
+        value = getattr(config, name, None)
+        if value is not None and value != off and not (off is None and value in ([], {}, "")):
+            if overrides.get(name) is not None:
+                origin = "the call"
+            elif generation_config is not None and getattr(generation_config, name, None) is not None:
+                origin = "generation_config"
+            else:
+                origin = "the target's generation_config"
+            raise ValueError(
+                f"{name}={value!r} (from {origin}) is not applied by speculative_generate, so its output would not "
+                f"be the target's; pass {name}={off!r} to decode without it, or use "
+                "target.generate(**inputs, assistant_model=drafter), which applies every logits processor"
+            )
+    if config.do_sample is None:
+        config.do_sample = False
+    if config.temperature is None:
+        config.temperature = 1.0
+    if config.top_k is None:
+        config.top_k = 50
+    if config.top_p is None:
+        config.top_p = 1.0
+    return config
+
+
+def _new_token_budget(config: GenerationConfig, prompt_length: int) -> int:
+    if config.max_new_tokens is not None:
+        return config.max_new_tokens
+    if config.max_length is not None:
+        if config.max_length <= prompt_length:
+            raise ValueError(f"max_length {config.max_length} leaves no room after the prompt of {prompt_length} "
+                             "tokens; set max_new_tokens instead")
+        return config.max_length - prompt_length
+    return DEFAULT_MAX_NEW_TOKENS
+
+
+def _eos_tensor(eos_token_id, device) -> torch.Tensor:
     if eos_token_id is None:
         return torch.empty(0, dtype=torch.long, device=device)
     ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
-    """Raise a clear ``ValueError`` before any forward pass."""
+def check_input_ids(input_ids) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = getattr(input_ids, "shape", type(input_ids))
         raise ValueError(f"input_ids must be a 2-D LongTensor [batch, length], got {got}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): a prompt needs at least one token")
+
+
+def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
+    """Raise a clear ``ValueError`` before any forward pass."""
+    check_input_ids(input_ids)
     if attention_mask is not None:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(
@@ -359,9 +438,9 @@ def speculative_generate(
     drafter,
     input_ids: torch.LongTensor,
     attention_mask: torch.LongTensor | None = None,
-    max_new_tokens: int = 64,
-    do_sample: bool = False,
-    temperature: float = 1.0,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
@@ -374,12 +453,20 @@ def speculative_generate(
     cost_model: CostModel | None = None,
     ngram_size: int = DEFAULT_NGRAM_SIZE,
     draft_tree: bool = True,
+    generation_config: GenerationConfig | None = None,
+    **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
-    input_ids / attention_mask: [N, P], left-padded for N > 1. Greedy by default; ``do_sample`` with
-    ``temperature`` / ``top_k`` / ``top_p`` samples losslessly: linear rounds by speculative sampling with
-    the drafter's q, tree rounds by the target's own draw at every slot (``draft_tree``).
+    input_ids / attention_mask: [N, P], left-padded for N > 1. The generation settings follow
+    ``target.generate``'s precedence (``resolve_generation_config``): keyword arguments (``None`` = not
+    given; other ``GenerationConfig`` fields go in ``generation_kwargs``), then ``generation_config``, then
+    ``target.generation_config``, then Transformers' defaults; so a call samples the law ``target.generate``
+    would with the same arguments. Greedy unless ``do_sample``; ``temperature`` / ``top_k`` / ``top_p``
+    sample losslessly: linear rounds by speculative sampling with the drafter's q, tree rounds by the
+    target's own draw at every slot (``draft_tree``). The length is ``max_new_tokens``, else
+    ``max_length`` minus the prompt, else 64 tokens. Settings the loop does not apply (repetition
+    penalty, beams, stop strings, ...) are refused by name, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -397,6 +484,15 @@ def speculative_generate(
     sampling, the target draws its token at every slot and the path follows the draws (still lossless).
     """
     check_ngram_size(ngram_size)
+    check_input_ids(input_ids)
+    config = resolve_generation_config(
+        target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **generation_kwargs,
+    )
+    # Given here, max_new_tokens bypasses GenerationConfig's check, which refuses 0 (a no-op call to us).
+    if max_new_tokens is None:
+        max_new_tokens = _new_token_budget(config, input_ids.shape[1])
+    do_sample, temperature, top_k, top_p = config.do_sample, config.temperature, config.top_k, config.top_p
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
     # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
     widen = adaptive and verify_policy is None
@@ -409,7 +505,7 @@ def speculative_generate(
         raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
     drafter.bind_target(target)
     device = input_ids.device
-    pad_token_id = pad_token_id if pad_token_id is not None else (target.generation_config.pad_token_id or 0)
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
     if isinstance(pad_token_id, list):
         pad_token_id = pad_token_id[0]
     stats = SpeculativeStats(block_size)
@@ -422,7 +518,7 @@ def speculative_generate(
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
-    eos = _eos_tensor(target, eos_token_id, device)
+    eos = _eos_tensor(config.eos_token_id, device)
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)

@@ -748,7 +748,7 @@ class Trainer:
     # ----------------------------------------------------------------- evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        from ..generation import speculative_generate
+        from ..generation import PLAIN_GREEDY, speculative_generate
 
         stats = None
         with self.exported_weights() as drafter:
@@ -758,7 +758,7 @@ class Trainer:
                 ids = torch.tensor([prompt_ids], device=self.accelerator.device)
                 result = speculative_generate(
                     self.target, drafter, ids, max_new_tokens=self.config.eval_max_new_tokens, adaptive=False,
-                    ngram_size=0,
+                    ngram_size=0, **PLAIN_GREEDY,
                 )  # tau of the head itself: every round verifies the block, no n-gram drafts
                 stats = result.stats if stats is None else stats.merge(result.stats)
         if stats is None:
