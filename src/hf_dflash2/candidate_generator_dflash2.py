@@ -58,8 +58,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.drafter = drafter
         self.target = target
         self.layer_ids = drafter.config.target_layer_ids
-        # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices).
-        self.model_kwargs_overrides = {"output_hidden_states": [i + 1 for i in self.layer_ids]}
+        # Only the tapped layers are captured by the verify forward (Transformers takes a list of indices),
+        # unless the caller asked generate for every layer's hidden states: a list would leave the others None.
+        self.model_kwargs_overrides = (
+            {} if generation_config.output_hidden_states else {"output_hidden_states": [i + 1 for i in self.layer_ids]}
+        )
         self.ngram_size = getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE)
         widen = getattr(drafter, "adaptive_verify", True) and getattr(drafter, "verify_policy", None) is None
         self.block_size = round_block_size(drafter, self.ngram_size if widen else 0, None, generation_config.max_length,
@@ -75,6 +78,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.policy = verify_policy_for(
             target, drafter, 1, self.block_size, getattr(drafter, "adaptive_verify", True),
             getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
+            reproducible=self.do_sample,
         )
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)

@@ -641,8 +641,13 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
 
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
-                      policy: VerifyPolicy | None = None, cost_model: CostModel | None = None) -> VerifyPolicy:
-    """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached) or fixed."""
+                      policy: VerifyPolicy | None = None, cost_model: CostModel | None = None,
+                      reproducible: bool = False) -> VerifyPolicy:
+    """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached) or fixed.
+
+    ``reproducible`` (sampling): the adaptive policy then decides from the cost model and this call's own
+    acceptances only; timed rounds and the previous call's calibration would change how many random draws a
+    round makes, so the same seed would not give the same text, as it does with ``target.generate``."""
     if policy is not None:
         if not isinstance(policy, VerifyPolicy):
             raise TypeError(
@@ -655,6 +660,8 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
         # Keep the measurement's prefill around 4k tokens, whatever the batch.
         context = min(256, max(16, 4096 // batch_size))
         cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
+    if reproducible:
+        return AdaptiveVerifyPolicy(cost_model, clock=None).start(block_size)
     parameter = next(target.parameters())
     key = (id(target), id(drafter), batch_size, block_size, parameter.dtype, parameter.device)
     policy = AdaptiveVerifyPolicy(cost_model).start(block_size, _recall(_LAST_POLICY, key, target, drafter))

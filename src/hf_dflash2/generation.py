@@ -171,6 +171,10 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         empty_rows = (attention_mask.sum(-1) == 0).nonzero().flatten().tolist()
         if empty_rows:
             raise ValueError(f"rows {empty_rows} of the batch have an empty prompt (attention_mask all zero)")
+        right_padded = (attention_mask[:, -1] == 0).nonzero().flatten().tolist()
+        if right_padded:
+            raise ValueError(f"rows {right_padded} of the batch end in padding: speculative_generate continues each "
+                             "row after its last column, so pad on the left (tokenizer.padding_side = 'left')")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if not 2 <= block_size:
@@ -511,7 +515,8 @@ def speculative_generate(
     stats = SpeculativeStats(block_size)
     if max_new_tokens == 0:
         return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats)
-    policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model)
+    policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
+                               reproducible=do_sample)
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)

@@ -311,6 +311,10 @@ class BoundTarget:
     lm_head_weight: torch.Tensor
     lm_head_bias: torch.Tensor | None
     num_layers: int
+    embedding: nn.Module | None = None  # the target's module that holds embed_weight
+
+    def __deepcopy__(self, memo) -> "BoundTarget":
+        return self  # a copied drafter refers to the same target; copying its vocabulary matrices would not bind it
 
 
 @dataclass
@@ -439,9 +443,17 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if mine.dtype != embed.weight.dtype:
             raise ValueError(f"drafter dtype {mine.dtype} does not match the target's dtype {embed.weight.dtype}")
         self.__dict__["_bound_target"] = BoundTarget(
-            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers
+            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers, embed
         )
         return self
+
+    def get_input_embeddings(self) -> nn.Module | None:
+        """The bound target's input embedding (a head owns none; ``None`` until ``bind_target``)."""
+        bound = self.__dict__.get("_bound_target")
+        return None if bound is None else bound.embedding
+
+    def get_output_embeddings(self) -> None:
+        return None  # the target's LM head is read through bound_target, never owned or tied
 
     @property
     def bound_target(self) -> BoundTarget:
@@ -642,11 +654,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         Raises ``HeadFileError`` naming the file for a ``config.json`` without the ``dflash_config`` fields,
         a truncated ``model.safetensors`` and a ``draft_vocab.json`` with ids outside the vocabulary.
         """
-        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only") if k in kwargs}
+        hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only", "subfolder")
+                      if k in kwargs}
         if "config" not in kwargs:
             check_head_config(_head_file(pretrained_model_name_or_path, "config.json", hub_kwargs))
-        check_safetensors_complete(_head_file(pretrained_model_name_or_path, "model.safetensors", hub_kwargs))
-        model = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        for weights in _safetensors_files(pretrained_model_name_or_path, hub_kwargs):
+            check_safetensors_complete(weights)
+        loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) on request
         path = _head_file(pretrained_model_name_or_path, DRAFT_VOCAB_FILE, hub_kwargs)
         if path:
             try:
@@ -655,7 +670,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 model.set_draft_vocab(token_ids)
             except (ValueError, KeyError, TypeError) as error:
                 raise HeadFileError(f"{path}: not a valid draft vocabulary ({error})") from None
-        return model
+        return loaded
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """As ``PreTrainedModel.save_pretrained``, plus the published ``architectures`` name for DFlash 1 heads."""
@@ -711,6 +726,22 @@ def check_head_config(path: str | None) -> None:
     missing = [name for name in REQUIRED_DFLASH_FIELDS if name not in dflash]
     if missing:
         raise HeadFileError(f"{path}: dflash_config lacks {missing} (it has {sorted(dflash)})")
+
+
+def _safetensors_files(name_or_path, hub_kwargs: dict) -> list[str]:
+    """The head's weight files that are already local: ``model.safetensors``, or the shards its index names."""
+    single = _head_file(name_or_path, "model.safetensors", hub_kwargs)
+    if single:
+        return [single]
+    index = _head_file(name_or_path, "model.safetensors.index.json", hub_kwargs)
+    if not index:
+        return []
+    try:
+        with open(index, encoding="utf-8") as handle:
+            shards = sorted(set(json.load(handle)["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
+        raise HeadFileError(f"{index}: not a valid safetensors index ({error})") from None
+    return [path for path in (_head_file(name_or_path, shard, hub_kwargs) for shard in shards) if path]
 
 
 def check_safetensors_complete(path: str | None) -> None:
