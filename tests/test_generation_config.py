@@ -87,8 +87,8 @@ def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward
     with pytest.raises(ValueError, match=r"num_beams=2 \(from generation_config\)"):
         speculative_generate(target, drafter, IDS, generation_config=GenerationConfig(num_beams=2),
                              repetition_penalty=1.0)
-    with pytest.raises(ValueError, match=r"stop_strings=\['x'\] \(from the call\)"):
-        speculative_generate(target, drafter, IDS, repetition_penalty=1.0, stop_strings=["x"])
+    with pytest.raises(ValueError, match=r"min_new_tokens=3 \(from the call\)"):
+        speculative_generate(target, drafter, IDS, repetition_penalty=1.0, min_new_tokens=3)
     with pytest.raises(ValueError, match=r"unknown generation options \['not_an_option'\]"):
         speculative_generate(target, drafter, IDS, not_an_option=3)
     with pytest.raises(ValueError, match="generation_config must be a transformers.GenerationConfig, got dict"):
@@ -96,3 +96,50 @@ def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward
     monkeypatch.undo()
     out = speculative_generate(target, drafter, IDS, max_new_tokens=4, repetition_penalty=1.0)
     assert int(out.num_generated[0]) == 4
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from hf_dflash2.assets import smollm2_location
+
+    folder, gguf_file = smollm2_location()
+    return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+
+
+def test_stop_strings_end_rows_where_generate_ends_them(smollm2_tokenizer):
+    """A stop string taken from the middle of the target's own text (spanning two tokens) ends each row at
+    the token generate ends it at: inside a round of several accepted drafts (an oracle head), and per row of
+    a left-padded batch."""
+    from .test_generation import OracleDrafter
+
+    tokenizer = smollm2_tokenizer
+    target = tiny_target(vocab_size=len(tokenizer), seed=4)
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([[504, 3458, 314, 260, 1345, 28]])
+    free = target.generate(ids, max_new_tokens=40, do_sample=False)
+    stop = tokenizer.decode(free[0, ids.shape[1] + 13: ids.shape[1] + 15])
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    assert ids.shape[1] < expected.shape[1] < free.shape[1]  # the stop string ended generation early
+    oracle = OracleDrafter(drafter, free[:, ids.shape[1]:], torch.tensor([ids.shape[1]]), corrupt_every=1000)
+    out = speculative_generate(target, oracle, ids, max_new_tokens=40, adaptive=False, stop_strings=[stop],
+                               tokenizer=tokenizer)
+    assert torch.equal(out.sequences, expected)
+    assert out.stats.acceptance_length > 2  # rounds committed several tokens, so the stop fell inside one
+
+    rows = torch.tensor([[0, 0, 504, 3458, 314, 28], [711, 88, 504, 3458, 314, 260]])
+    mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
+    batch_free = target.generate(rows, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0)
+    stop = tokenizer.decode(batch_free[1, 6 + 9: 6 + 11])
+    # generate pads a finished row only when an EOS id is set (else it keeps writing that row's tokens)
+    eos = sorted(set(range(2, 10)) - set(batch_free.flatten().tolist()))[0]
+    expected = target.generate(rows, attention_mask=mask, max_new_tokens=30, do_sample=False, pad_token_id=0,
+                               eos_token_id=eos, stop_strings=stop, tokenizer=tokenizer)
+    out = speculative_generate(target, drafter, rows, attention_mask=mask, max_new_tokens=30, pad_token_id=0,
+                               eos_token_id=eos, stop_strings=stop, tokenizer=tokenizer)
+    assert torch.equal(out.sequences, expected[:, : out.sequences.shape[1]])
+    assert (expected[:, out.sequences.shape[1]:] == 0).all()
+    assert int(out.num_generated[1]) < 30
+    with pytest.raises(ValueError, match=r"stop_strings=\['x'\] needs the tokenizer"):
+        speculative_generate(target, drafter, ids, stop_strings=["x"])

@@ -83,8 +83,8 @@ UNSUPPORTED_GENERATION_SETTINGS = {
     "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None,
     "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
     "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "min_p": None, "top_h": None, "guidance_scale": None, "watermarking_config": None, "stop_strings": None,
-    "dola_layers": None, "return_dict_in_generate": False,
+    "min_p": None, "top_h": None, "guidance_scale": None, "watermarking_config": None, "dola_layers": None,
+    "return_dict_in_generate": False,
 }
 
 # Plain greedy decoding whatever the target's generation_config asks (sampling, a repetition penalty):
@@ -256,9 +256,10 @@ class _Output:
     ``history`` [N, P + max_new_tokens + B] holds each row's prompt (-1 on left padding) followed by its
     generated ``tokens`` (a view), which is what n-gram drafts are matched against."""
 
-    def __init__(self, input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos):
+    def __init__(self, input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings=None):
         n_rows, prompt = input_ids.shape
         device = input_ids.device
+        self.stop_strings, self.pad_token_id = stop_strings, pad_token_id
         self.history = torch.full((n_rows, prompt + max_new_tokens + block_size), pad_token_id, dtype=torch.long,
                                   device=device)
         self.history[:, :prompt] = torch.where(attention_mask.bool(), input_ids, -1)
@@ -279,9 +280,35 @@ class _Output:
         at = self.count[rows.index][:, None] + offsets
         current = self.tokens[rows.index[:, None], at]
         self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < written[:, None], tokens, current)
+        stopped = torch.zeros_like(is_eos[:, 0])
+        if self.stop_strings is not None:
+            stop_cut, stopped = self._stop_string_cut(rows, written)
+            self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < stop_cut[:, None],
+                                                               self.tokens[rows.index[:, None], at], current)
+            written = stop_cut
         self.count[rows.index] += written
-        finished = is_eos.any(-1) | (self.count[rows.index] >= self.max_new_tokens)
+        finished = is_eos.any(-1) | stopped | (self.count[rows.index] >= self.max_new_tokens)
         return written, within, finished
+
+    def _stop_string_cut(self, rows: _Rows, written: torch.Tensor):
+        """Transformers' ``StopStringCriteria`` after each of this round's written tokens, on the text up to it
+        (prompt included, as ``generate`` checks after every token) -> (tokens to keep [n], stopped [n]).
+
+        Each check sees the last ``maximum_token_len`` tokens ending at that slot; slots before a row's
+        history start as a token no stop string contains, left padding as ``pad_token_id``, as in ``generate``."""
+        criteria = self.stop_strings
+        span = criteria.maximum_token_len
+        ends = self.prompt_length + self.count[rows.index]  # history index of this round's first token
+        cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
+        for slot in range(int(self.offsets.shape[0])):
+            index = (ends + slot)[:, None] - span + 1 + torch.arange(span, device=ends.device)
+            window = self.history[rows.index[:, None], index.clamp_min(0)]
+            window = torch.where(window < 0, self.pad_token_id, window)
+            window = torch.where(index < 0, torch.iinfo(torch.long).max, window)  # past the vocabulary: no match
+            fires = criteria(window, None) & (slot < written) & ~stopped
+            cut = torch.where(fires, slot + 1, cut)
+            stopped = stopped | fires
+        return cut, stopped
 
 
 def prefill(target, drafter, input_ids, attention_mask, capacity: int):
@@ -458,6 +485,7 @@ def speculative_generate(
     ngram_size: int = DEFAULT_NGRAM_SIZE,
     draft_tree: bool = True,
     generation_config: GenerationConfig | None = None,
+    tokenizer=None,
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -469,8 +497,9 @@ def speculative_generate(
     would with the same arguments. Greedy unless ``do_sample``; ``temperature`` / ``top_k`` / ``top_p``
     sample losslessly: linear rounds by speculative sampling with the drafter's q, tree rounds by the
     target's own draw at every slot (``draft_tree``). The length is ``max_new_tokens``, else
-    ``max_length`` minus the prompt, else 64 tokens. Settings the loop does not apply (repetition
-    penalty, beams, stop strings, ...) are refused by name, before the prefill.
+    ``max_length`` minus the prompt, else 64 tokens. ``stop_strings`` (with ``tokenizer``, as ``generate``)
+    end a row at the token that completes one, checked after every token as ``generate`` does. Settings
+    the loop does not apply (repetition penalty, beams, ...) are refused by name, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -496,6 +525,14 @@ def speculative_generate(
     # Given here, max_new_tokens bypasses GenerationConfig's check, which refuses 0 (a no-op call to us).
     if max_new_tokens is None:
         max_new_tokens = _new_token_budget(config, input_ids.shape[1])
+    stop_strings = None
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError(f"stop_strings={config.stop_strings!r} needs the tokenizer: pass tokenizer=... "
+                             "(as with target.generate)")
+        from transformers.generation.stopping_criteria import StopStringCriteria
+
+        stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
     do_sample, temperature, top_k, top_p = config.do_sample, config.temperature, config.top_k, config.top_p
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
     # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
@@ -524,7 +561,7 @@ def speculative_generate(
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
     eos = _eos_tensor(config.eos_token_id, device)
-    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos)
+    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
