@@ -143,3 +143,30 @@ def test_stop_strings_end_rows_where_generate_ends_them(smollm2_tokenizer):
     assert int(out.num_generated[1]) < 30
     with pytest.raises(ValueError, match=r"stop_strings=\['x'\] needs the tokenizer"):
         speculative_generate(target, drafter, ids, stop_strings=["x"])
+
+
+def test_transformers_path_stops_at_stop_strings_as_generate_does(smollm2_tokenizer):
+    """Transformers checks stopping criteria once per assisted step, at the sequence's end: with several
+    drafts accepted a step, a stop string completed mid-step went unseen and the text ran to the budget.
+    Greedy, the generator cuts drafts before the token completing one, so the text ends where generate's does."""
+    from .test_generation import OracleDrafter, generate_drafts_from
+
+    tokenizer = smollm2_tokenizer
+    target = tiny_target(vocab_size=len(tokenizer), seed=4)
+    drafter = tiny_drafter(target)
+    ids = torch.tensor([[504, 3458, 314, 260, 1345, 28]])
+    free = target.generate(ids, max_new_tokens=40, do_sample=False)
+    drafter.adaptive_verify = False
+    try:
+        for start in (5, 13, 21):
+            stop = tokenizer.decode(free[0, ids.shape[1] + start: ids.shape[1] + start + 2])
+            expected = target.generate(ids, max_new_tokens=40, do_sample=False, stop_strings=[stop],
+                                       tokenizer=tokenizer)
+            oracle = OracleDrafter(drafter, free[:, ids.shape[1]:], torch.tensor([ids.shape[1]]), corrupt_every=1000)
+            with generate_drafts_from(oracle):
+                out = target.generate(ids, assistant_model=drafter, max_new_tokens=40, do_sample=False,
+                                      stop_strings=[stop], tokenizer=tokenizer)
+            assert torch.equal(out, expected), (start, stop)
+            assert oracle.last_speculative_stats.acceptance_length > 1.5
+    finally:
+        del drafter.adaptive_verify

@@ -12,6 +12,8 @@ Shipped with saved heads as remote code (sibling of ``modeling_dflash2.py``).
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -54,7 +56,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target, generation_config, logits_processor=None):
+    def __init__(self, drafter, target, generation_config, logits_processor=None, tokenizer=None):
         self.drafter = drafter
         self.target = target
         self.layer_ids = drafter.config.target_layer_ids
@@ -80,6 +82,20 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
             reproducible=self.do_sample,
         )
+        # Transformers checks stopping criteria once per assisted step, on the sequence's end, so a stop string
+        # completed before a step's last new token goes unseen and the text runs on past it. Greedy, we cut
+        # each draft before the token that would complete one: the stop can then only fall on a step's last
+        # token. Sampling cannot cut on the drafted tokens' values without changing the law.
+        self.stop_strings = None
+        if generation_config.stop_strings and tokenizer is not None:
+            if self.do_sample:
+                warnings.warn("with a dFlash 2 assistant and do_sample=True, Transformers checks stop_strings once "
+                              "per assisted step, so a text may run past one; hf_dflash2.speculative_generate "
+                              "checks every token", stacklevel=2)
+            else:
+                from transformers.generation.stopping_criteria import StopStringCriteria
+
+                self.stop_strings = StopStringCriteria(tokenizer, generation_config.stop_strings)
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
         self.draft, self.verified_last = None, 0
@@ -126,17 +142,28 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             return input_ids, None
         # Capped before the policy hears it: it times each round against the verify it was told of.
         length = min(int(self.policy.choose(draft.confidence, draft.source, head_drafted)), room, self.max_drafts)
+        tokens = draft.tokens[:, :length].to(input_ids.device)
+        if self.stop_strings is not None:
+            length = self._before_stop_string(torch.cat([input_ids, tokens], dim=1), cur_len, length)
+            tokens = tokens[:, :length]
         self.policy.chosen(length, bool(draft.uses_head))
         if length == 0:
             return input_ids, None
         self.draft, self.verified_last = draft, length
-        tokens = draft.tokens[:, :length].to(input_ids.device)
         candidate_logits = None
         if self.do_sample:
             vocab = self.target.config.get_text_config().vocab_size
             q = dense_proposal(draft.q_ids[:, :length], draft.q_probs[:, :length], vocab)
             candidate_logits = q.log().to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=1), candidate_logits
+
+    def _before_stop_string(self, sequence: torch.Tensor, cur_len: int, length: int) -> int:
+        """How many of the ``length`` drafts at the end of ``sequence`` [1, cur_len + length] come before the
+        first one that completes a stop string."""
+        for index in range(length):
+            if bool(self.stop_strings(sequence[:, : cur_len + index + 1], None)[0]):
+                return index
+        return length
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         accepted = torch.as_tensor([int(num_matches)], device=self.drafter.device)
@@ -146,7 +173,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.stats.record(accepted, accepted + 1, verified=self.verified_last, source=source)
 
 
-def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None):
+def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None,
+                            tokenizer=None):
     """Validate and build the generator (called from the hook before any target forward)."""
     if input_ids is not None and input_ids.shape[0] != 1:
         raise ValueError(
@@ -163,7 +191,7 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
         raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
     check_ngram_size(getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE), "drafter.ngram_size")
     drafter.bind_target(target)
-    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor)
+    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor, tokenizer)
 
 
 SUPPORTED_TRANSFORMERS = "transformers>=5.20,<6"
@@ -173,8 +201,6 @@ HOOKED_PARAMETERS = ("self", "generation_config", "input_ids", "inputs_tensor", 
 
 def check_hooked_signature(method) -> None:
     """The wrapper relies on the private method's leading parameters; refuse a Transformers that changed them."""
-    import inspect
-
     import transformers
 
     names = tuple(inspect.signature(method).parameters)[: len(HOOKED_PARAMETERS)]
@@ -205,12 +231,17 @@ def install_generate_hook() -> None:
             or getattr(generation_config, "speculation_type", None) is not None
         )
         if factory is not None and not other_mode:
+            extra = {}
+            tokenizer = kwargs.get("target_tokenizer", args[0] if args else None)
+            if tokenizer is not None and "tokenizer" in inspect.signature(factory).parameters:
+                extra["tokenizer"] = tokenizer  # heads saved before session 30 take no tokenizer
             return factory(
                 target=self,
                 generation_config=generation_config,
                 logits_processor=logits_processor,
                 model_kwargs=model_kwargs,
                 input_ids=input_ids,
+                **extra,
             )
         return original(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs, assistant_model, *args, **kwargs)
 
