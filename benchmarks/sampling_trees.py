@@ -45,7 +45,7 @@ def run_once(method, target, head, ids, n, temperature, top_p, seed):
                               top_p=top_p)
         return time.perf_counter() - started, out.shape[1] - ids.shape[1], None
     out = speculative_generate(target, head, ids, max_new_tokens=n, do_sample=True, temperature=temperature,
-                               top_p=top_p, generator=torch.Generator(device=ids.device).manual_seed(seed),
+                               top_k=None, top_p=top_p, generator=torch.Generator(device=ids.device).manual_seed(seed),
                                draft_tree=method == "tree")
     return time.perf_counter() - started, int(out.num_generated[0]), out.stats
 

@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_dflash2 import speculative_generate
-from hf_dflash2.generation import resolve_generation_config
+from hf_dflash2.generation import PLAIN_GREEDY, resolve_generation_config
 
 from .conftest import tiny_drafter, tiny_target
 
@@ -69,9 +69,37 @@ def test_sampling_without_top_k_keeps_transformers_default_of_50(pair):
     first = speculative_generate(target, drafter, prompts, max_new_tokens=1, do_sample=True, temperature=50.0,
                                  generator=generator).sequences[:, IDS.shape[1]]
     assert set(first.tolist()) <= allowed
-    unbounded = speculative_generate(target, drafter, prompts, max_new_tokens=1, do_sample=True, temperature=50.0,
-                                     top_k=0, generator=generator).sequences[:, IDS.shape[1]]
-    assert not set(unbounded.tolist()) <= allowed  # ~46 of 96 tokens are outside: 400 flat draws reach them
+    for off in (0, None):  # an explicit None overrides the default, as in generate
+        unbounded = speculative_generate(target, drafter, prompts, max_new_tokens=1, do_sample=True,
+                                         temperature=50.0, top_k=off, generator=generator).sequences[:, IDS.shape[1]]
+        assert not set(unbounded.tolist()) <= allowed  # ~46 of 96 tokens are outside: 400 flat draws reach them
+
+
+def test_settings_refused_only_where_generate_would_apply_them(pair):
+    target, drafter = pair
+    target.generation_config.min_p, target.generation_config.eos_token_id = 0.2, 7
+    out = speculative_generate(target, drafter, IDS, max_new_tokens=4)  # min_p acts only when sampling
+    assert int(out.num_generated[0]) == 4
+    with pytest.raises(ValueError, match=r"min_p=0.2 \(from the target's generation_config\)"):
+        speculative_generate(target, drafter, IDS, max_new_tokens=4, do_sample=True)
+    target.generation_config.do_sample = True
+    assert int(speculative_generate(target, drafter, IDS, max_new_tokens=4, **PLAIN_GREEDY).num_generated[0]) <= 4
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_p=None)  # explicit None clears it
+    target.generation_config.do_sample, target.generation_config.min_p = False, None
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_length=IDS.shape[1])  # met by the prompt
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, guidance_scale=1.0, min_new_tokens=0)
+    with pytest.raises(ValueError, match=r"min_new_tokens=2 \(from the call\)"):
+        speculative_generate(target, drafter, IDS, max_new_tokens=4, min_new_tokens=2)
+    target.generation_config.eos_token_id = None  # without an EOS there is nothing for a minimum to hold back
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_new_tokens=2)
+
+
+def test_a_max_length_as_long_as_the_context_leaves_room_for_a_block(pair):
+    target, drafter = pair
+    context = target.config.max_position_embeddings
+    target.generation_config.max_length = context
+    out = speculative_generate(target, drafter, IDS, ngram_size=0)
+    assert int(out.num_generated[0]) == context - IDS.shape[1] - drafter.config.block_size
 
 
 def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward(pair, monkeypatch):
@@ -88,7 +116,7 @@ def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward
         speculative_generate(target, drafter, IDS, generation_config=GenerationConfig(num_beams=2),
                              repetition_penalty=1.0)
     with pytest.raises(ValueError, match=r"min_new_tokens=3 \(from the call\)"):
-        speculative_generate(target, drafter, IDS, repetition_penalty=1.0, min_new_tokens=3)
+        speculative_generate(target, drafter, IDS, repetition_penalty=1.0, min_new_tokens=3, eos_token_id=7)
     with pytest.raises(ValueError, match=r"unknown generation options \['not_an_option'\]"):
         speculative_generate(target, drafter, IDS, not_an_option=3)
     with pytest.raises(ValueError, match="generation_config must be a transformers.GenerationConfig, got dict"):

@@ -1,6 +1,6 @@
 """What a Transformers user does routinely with a model and an assistant, each found broken in session 30's
-audit: every layer's hidden states from generate, loading info, subfolders, sharded heads, the input
-embedding, copies, padding side, and the same text from the same seed."""
+audit: every layer's hidden states from generate, loading info, subfolders, sharded heads, the embedding
+accessors, copies, padding side, and the same text from the same seed."""
 
 from __future__ import annotations
 
@@ -71,14 +71,12 @@ def test_a_truncated_shard_is_a_named_error(tmp_path):
         DFlash2DraftModel.from_pretrained(tmp_path)
 
 
-def test_input_embedding_is_the_bound_targets_and_copies_share_the_target(pair):
+def test_embedding_accessors_answer_and_copies_share_the_target(pair):
     target, drafter = pair
-    assert tiny_drafter(target).bind_target(target).get_input_embeddings() is target.get_input_embeddings()
-    assert DFlash2DraftModel(drafter.config).get_input_embeddings() is None  # unbound
-    assert drafter.get_output_embeddings() is None
+    assert drafter.get_input_embeddings() is None and drafter.get_output_embeddings() is None  # it owns neither
+    assert drafter.num_parameters() == sum(p.numel() for p in drafter.parameters())
     twin = copy.deepcopy(drafter)
     assert twin.bound_target.embed_weight.data_ptr() == target.get_input_embeddings().weight.data_ptr()
-    assert twin.get_input_embeddings() is target.get_input_embeddings()
     for mine, theirs in zip(twin.parameters(), drafter.parameters()):
         assert mine.data_ptr() != theirs.data_ptr()  # the head's own weights are copied
     first = speculative_generate(target, drafter, IDS, max_new_tokens=8, do_sample=False)
@@ -104,3 +102,12 @@ def test_the_same_seed_gives_the_same_sample_with_the_adaptive_policy(pair):
         first = run(7)
         assert all(torch.equal(run(7), first) for _ in range(3)), run.__name__
         assert not torch.equal(run(8), first), run.__name__  # the seed is what decides
+
+
+def test_resizing_the_heads_embedding_is_refused_and_leaves_the_target_alone(pair):
+    target, drafter = pair
+    before = target.get_input_embeddings().weight.clone()
+    with pytest.raises(NotImplementedError, match="resize or replace it on the target"):
+        drafter.resize_token_embeddings(200)
+    assert torch.equal(target.get_input_embeddings().weight, before)
+    assert target.get_input_embeddings().weight.shape[0] == 96

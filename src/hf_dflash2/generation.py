@@ -73,75 +73,98 @@ class SpeculativeOutput:
 # max_length = 20 tokens in all, prompt included).
 DEFAULT_MAX_NEW_TOKENS = 64
 
-# Generation settings the fast loop does not apply, with the value that means "off". Each changes which
-# tokens the target would emit (or the shape of what generate returns), so a call that sets one is refused
-# instead of silently decoding another law; the Transformers path (generate(assistant_model=drafter)) applies
-# every logits processor, since Transformers verifies there.
+# A keyword argument the caller did not give; an explicit None overrides, as in ``target.generate``.
+UNSET = object()
+
+# Transformers' values for the sampling settings no config sets (GenerationConfig._get_default_generation_params).
+TRANSFORMERS_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+# Generation settings the fast loop does not apply, with the value that turns each off. Each changes which
+# tokens the target would emit (or what generate returns), so a call in which one would act is refused rather
+# than silently decoding another law; ``generate(assistant_model=drafter)`` applies every logits processor,
+# since Transformers verifies there. Those in SAMPLING_ONLY act only when sampling, as in ``generate``.
 UNSUPPORTED_GENERATION_SETTINGS = {
     "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
-    "min_length": 0, "min_new_tokens": None, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
-    "no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "exponential_decay_length_penalty": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
-    "min_p": None, "top_h": None, "guidance_scale": None, "watermarking_config": None, "dola_layers": None,
+    "min_length": 0, "min_new_tokens": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "exponential_decay_length_penalty": None,
+    "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "max_time": None,
     "return_dict_in_generate": False,
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "top_h": None,
 }
+SAMPLING_ONLY = ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h")
 
 # Plain greedy decoding whatever the target's generation_config asks (sampling, a repetition penalty):
 # what the trainer's evaluation and held-out tau measure a head on.
-PLAIN_GREEDY = {"do_sample": False,
-                **{name: off for name, off in UNSUPPORTED_GENERATION_SETTINGS.items() if off is not None}}
+PLAIN_GREEDY = {"do_sample": False, **UNSUPPORTED_GENERATION_SETTINGS}
 
 
-def resolve_generation_config(target, generation_config: GenerationConfig | None = None,
+def _acts(name: str, value, config: GenerationConfig, prompt_length: int) -> bool:
+    """Whether ``generate`` would apply this setting's value (its processors' own conditions)."""
+    off = UNSUPPORTED_GENERATION_SETTINGS[name]
+    if value is None or value == off or (off is None and not value):
+        return False
+    if name in SAMPLING_ONLY and not config.do_sample:
+        return False
+    has_eos = config.eos_token_id is not None
+    if name == "min_length":
+        return has_eos and value > prompt_length
+    if name == "min_new_tokens":
+        return has_eos and value > 0
+    if name == "guidance_scale":
+        return value != 1
+    return True
+
+
+def resolve_generation_config(target, generation_config: GenerationConfig | None = None, prompt_length: int = 0,
                               **overrides) -> GenerationConfig:
-    """The settings a ``speculative_generate`` call decodes with, by Transformers' precedence: the call's
-    keyword arguments (``None`` = not given), then ``generation_config``, then ``target.generation_config``,
-    then Transformers' defaults (greedy; when sampling: temperature 1, top-k 50, top-p 1), so that it samples
-    the law ``target.generate`` would. The length: ``max_new_tokens``, else ``max_length`` (prompt included),
-    else ``DEFAULT_MAX_NEW_TOKENS``. Raises ``ValueError`` naming the setting for unknown options and for
-    settings the fast loop does not apply (``UNSUPPORTED_GENERATION_SETTINGS``), before any compute."""
+    """The settings a ``speculative_generate`` call decodes with, by ``target.generate``'s precedence: the
+    call's keyword arguments (``UNSET`` = not given; an explicit ``None`` overrides), then
+    ``generation_config``, then ``target.generation_config``, then Transformers' defaults (greedy; when
+    sampling: temperature 1, top-k 50, top-p 1), so that a call samples the law ``target.generate`` would.
+    Raises ``ValueError`` naming the setting and where it came from, for unknown options and for settings the
+    fast loop does not apply (``UNSUPPORTED_GENERATION_SETTINGS``) where ``generate`` would apply them."""
     if generation_config is not None and not isinstance(generation_config, GenerationConfig):
         raise ValueError("generation_config must be a transformers.GenerationConfig, "
                          f"got {type(generation_config).__name__}")
+    given = {name: value for name, value in overrides.items() if value is not UNSET}
     config = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     config.update(defaults_only=True, **target.generation_config.to_dict())
-    unknown = config.update(**{name: value for name, value in overrides.items() if value is not None})
+    config.update(defaults_only=True, **TRANSFORMERS_SAMPLING_DEFAULTS)
+    unknown = config.update(**given)
     if unknown:
         raise ValueError(f"speculative_generate got unknown generation options {sorted(unknown)}")
-    for name, off in UNSUPPORTED_GENERATION_SETTINGS.items():
+    for name in UNSUPPORTED_GENERATION_SETTINGS:
         value = getattr(config, name, None)
-        if value is not None and value != off and not (off is None and value in ([], {}, "")):
-            if overrides.get(name) is not None:
-                origin = "the call"
-            elif generation_config is not None and getattr(generation_config, name, None) is not None:
-                origin = "generation_config"
-            else:
-                origin = "the target's generation_config"
-            raise ValueError(
-                f"{name}={value!r} (from {origin}) is not applied by speculative_generate, so its output would not "
-                f"be the target's; pass {name}={off!r} to decode without it, or use "
-                "target.generate(**inputs, assistant_model=drafter), which applies every logits processor"
-            )
-    if config.do_sample is None:
-        config.do_sample = False
-    if config.temperature is None:
-        config.temperature = 1.0
-    if config.top_k is None:
-        config.top_k = 50
-    if config.top_p is None:
-        config.top_p = 1.0
+        if not _acts(name, value, config, prompt_length):
+            continue
+        if name in given:
+            origin = "the call"
+        elif generation_config is not None and getattr(generation_config, name, None) is not None:
+            origin = "generation_config"
+        else:
+            origin = "the target's generation_config"
+        raise ValueError(
+            f"{name}={value!r} (from {origin}) is not applied by speculative_generate, so its output would not "
+            f"be the target's; pass {name}={UNSUPPORTED_GENERATION_SETTINGS[name]!r} to decode without it, or "
+            "use target.generate(**inputs, assistant_model=drafter), which applies every logits processor"
+        )
     return config
 
 
-def _new_token_budget(config: GenerationConfig, prompt_length: int) -> int:
+def _new_token_budget(config: GenerationConfig, prompt_length: int, context: int | None, block_size: int) -> int:
+    """``max_new_tokens``, else ``max_length`` minus the prompt (capped so that a round's block still fits
+    the context: some checkpoints set max_length to the context itself), else ``DEFAULT_MAX_NEW_TOKENS``."""
     if config.max_new_tokens is not None:
         return config.max_new_tokens
     if config.max_length is not None:
-        if config.max_length <= prompt_length:
+        budget = config.max_length - prompt_length
+        if context is not None:
+            budget = min(budget, context - prompt_length - block_size)
+        if budget <= 0:
             raise ValueError(f"max_length {config.max_length} leaves no room after the prompt of {prompt_length} "
                              "tokens; set max_new_tokens instead")
-        return config.max_length - prompt_length
+        return budget
     return DEFAULT_MAX_NEW_TOKENS
 
 
@@ -282,7 +305,7 @@ class _Output:
         self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < written[:, None], tokens, current)
         stopped = torch.zeros_like(is_eos[:, 0])
         if self.stop_strings is not None:
-            stop_cut, stopped = self._stop_string_cut(rows, written)
+            stop_cut, stopped = self._stop_string_cut(rows, written, tokens.shape[1])
             self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < stop_cut[:, None],
                                                                self.tokens[rows.index[:, None], at], current)
             written = stop_cut
@@ -290,7 +313,7 @@ class _Output:
         finished = is_eos.any(-1) | stopped | (self.count[rows.index] >= self.max_new_tokens)
         return written, within, finished
 
-    def _stop_string_cut(self, rows: _Rows, written: torch.Tensor):
+    def _stop_string_cut(self, rows: _Rows, written: torch.Tensor, width: int):
         """Transformers' ``StopStringCriteria`` after each of this round's written tokens, on the text up to it
         (prompt included, as ``generate`` checks after every token) -> (tokens to keep [n], stopped [n]).
 
@@ -300,7 +323,7 @@ class _Output:
         span = criteria.maximum_token_len
         ends = self.prompt_length + self.count[rows.index]  # history index of this round's first token
         cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
-        for slot in range(int(self.offsets.shape[0])):
+        for slot in range(width):
             index = (ends + slot)[:, None] - span + 1 + torch.arange(span, device=ends.device)
             window = self.history[rows.index[:, None], index.clamp_min(0)]
             window = torch.where(window < 0, self.pad_token_id, window)
@@ -470,10 +493,10 @@ def speculative_generate(
     input_ids: torch.LongTensor,
     attention_mask: torch.LongTensor | None = None,
     max_new_tokens: int | None = None,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
+    do_sample: bool | None = UNSET,
+    temperature: float | None = UNSET,
+    top_k: int | None = UNSET,
+    top_p: float | None = UNSET,
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
@@ -491,15 +514,18 @@ def speculative_generate(
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
 
     input_ids / attention_mask: [N, P], left-padded for N > 1. The generation settings follow
-    ``target.generate``'s precedence (``resolve_generation_config``): keyword arguments (``None`` = not
-    given; other ``GenerationConfig`` fields go in ``generation_kwargs``), then ``generation_config``, then
-    ``target.generation_config``, then Transformers' defaults; so a call samples the law ``target.generate``
-    would with the same arguments. Greedy unless ``do_sample``; ``temperature`` / ``top_k`` / ``top_p``
+    ``target.generate``'s precedence (``resolve_generation_config``): keyword arguments (an explicit
+    ``None`` overrides, e.g. ``top_k=None`` is no top-k, as in ``generate``; ``max_new_tokens``,
+    ``eos_token_id`` and ``pad_token_id`` at None are not given; other ``GenerationConfig`` fields go in
+    ``generation_kwargs``), then ``generation_config``, then ``target.generation_config``, then
+    Transformers' defaults; so a call samples the law ``target.generate`` would with the same arguments.
+    Greedy unless ``do_sample``; ``temperature`` / ``top_k`` / ``top_p``
     sample losslessly: linear rounds by speculative sampling with the drafter's q, tree rounds by the
     target's own draw at every slot (``draft_tree``). The length is ``max_new_tokens``, else
-    ``max_length`` minus the prompt, else 64 tokens. ``stop_strings`` (with ``tokenizer``, as ``generate``)
-    end a row at the token that completes one, checked after every token as ``generate`` does. Settings
-    the loop does not apply (repetition penalty, beams, ...) are refused by name, before the prefill.
+    ``max_length`` minus the prompt (at most the context less a block), else 64 tokens. ``stop_strings``
+    (with ``tokenizer``, as ``generate``) end a row at the token that completes one, checked after every
+    token as ``generate`` does. Settings the loop does not apply (repetition penalty, beams, ...) are
+    refused by name where ``generate`` would apply them, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -518,13 +544,17 @@ def speculative_generate(
     """
     check_ngram_size(ngram_size)
     check_input_ids(input_ids)
+    # eos / pad ids: None = not given (the configs' ids), as before session 30
     config = resolve_generation_config(
-        target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **generation_kwargs,
+        target, generation_config, input_ids.shape[1], do_sample=do_sample, temperature=temperature, top_k=top_k,
+        top_p=top_p, eos_token_id=UNSET if eos_token_id is None else eos_token_id,
+        pad_token_id=UNSET if pad_token_id is None else pad_token_id, **generation_kwargs,
     )
     # Given here, max_new_tokens bypasses GenerationConfig's check, which refuses 0 (a no-op call to us).
     if max_new_tokens is None:
-        max_new_tokens = _new_token_budget(config, input_ids.shape[1])
+        max_new_tokens = _new_token_budget(config, input_ids.shape[1],
+                                           target.config.get_text_config().max_position_embeddings,
+                                           block_size or drafter.config.block_size)
     stop_strings = None
     if config.stop_strings:
         if tokenizer is None:
@@ -533,7 +563,8 @@ def speculative_generate(
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
-    do_sample, temperature, top_k, top_p = config.do_sample, config.temperature, config.top_k, config.top_p
+    do_sample, top_k, top_p = bool(config.do_sample), config.top_k, config.top_p
+    temperature = 1.0 if config.temperature is None else config.temperature
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
     # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
     widen = adaptive and verify_policy is None

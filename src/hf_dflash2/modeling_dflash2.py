@@ -311,7 +311,6 @@ class BoundTarget:
     lm_head_weight: torch.Tensor
     lm_head_bias: torch.Tensor | None
     num_layers: int
-    embedding: nn.Module | None = None  # the target's module that holds embed_weight
 
     def __deepcopy__(self, memo) -> "BoundTarget":
         return self  # a copied drafter refers to the same target; copying its vocabulary matrices would not bind it
@@ -443,14 +442,19 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if mine.dtype != embed.weight.dtype:
             raise ValueError(f"drafter dtype {mine.dtype} does not match the target's dtype {embed.weight.dtype}")
         self.__dict__["_bound_target"] = BoundTarget(
-            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers, embed
+            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers
         )
         return self
 
-    def get_input_embeddings(self) -> nn.Module | None:
-        """The bound target's input embedding (a head owns none; ``None`` until ``bind_target``)."""
-        bound = self.__dict__.get("_bound_target")
-        return None if bound is None else bound.embedding
+    def get_input_embeddings(self) -> None:
+        """None: a head owns no embedding. It reads the bound target's (``bound_target.embed_weight``), and
+        handing out the target's module would let tools meant for the head (``resize_token_embeddings``,
+        input-grad hooks) change the target in place."""
+        return None
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise NotImplementedError("a dFlash 2 head reads the target's embedding: resize or replace it on the target, "
+                                  "then bind_target(target) again")
 
     def get_output_embeddings(self) -> None:
         return None  # the target's LM head is read through bound_target, never owned or tied

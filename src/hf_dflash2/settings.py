@@ -24,20 +24,16 @@ def validate_sampling(temperature: float, top_k: int | None, top_p: float | None
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
         raise InvalidSamplingError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise InvalidSamplingError(
-            f"top_k must be an integer >= 1 (or None: the target's generation_config, else 50), got {top_k!r}")
+        raise InvalidSamplingError(f"top_k must be an integer >= 1 (or None for no top-k), got {top_k!r}")
     if top_p is not None and (not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0):
-        raise InvalidSamplingError(
-            f"top_p must be in (0, 1] (or None: the target's generation_config, else 1), got {top_p!r}")
+        raise InvalidSamplingError(f"top_p must be in (0, 1] (or None for no top-p), got {top_p!r}")
 
 
 @dataclass
 class SamplingSettings:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; > 0 samples (lossless)"})
-    top_k: int | None = field(default=None, metadata={
-        "help": "sample among the k most likely tokens (default: the target's generation_config, else 50)"})
-    top_p: float | None = field(default=None, metadata={
-        "help": "nucleus sampling mass in (0, 1] (default: the target's generation_config, else 1)"})
+    top_k: int | None = field(default=None, metadata={"help": "sample among the k most likely tokens"})
+    top_p: float | None = field(default=None, metadata={"help": "nucleus sampling mass in (0, 1]"})
 
     def __post_init__(self):
         validate_sampling(self.temperature, self.top_k, self.top_p)
