@@ -31,7 +31,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples
 
 bench: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3
