@@ -198,3 +198,11 @@ def test_transformers_path_stops_at_stop_strings_as_generate_does(smollm2_tokeni
             assert oracle.last_speculative_stats.acceptance_length > 1.5
     finally:
         del drafter.adaptive_verify
+
+
+def test_transformers_path_warns_that_sampled_text_may_run_past_a_stop_string(smollm2_tokenizer):
+    target = tiny_target(vocab_size=len(smollm2_tokenizer), seed=4)
+    drafter = tiny_drafter(target)
+    with pytest.warns(UserWarning, match="checks stop_strings once per assisted step"):
+        target.generate(IDS, assistant_model=drafter, max_new_tokens=4, do_sample=True, stop_strings=["x"],
+                        tokenizer=smollm2_tokenizer)

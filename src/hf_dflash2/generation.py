@@ -133,7 +133,9 @@ def resolve_generation_config(target, generation_config: GenerationConfig | None
     config.update(defaults_only=True, **TRANSFORMERS_SAMPLING_DEFAULTS)
     unknown = config.update(**given)
     if unknown:
-        raise ValueError(f"speculative_generate got unknown generation options {sorted(unknown)}")
+        raise ValueError(f"speculative_generate got unknown generation options {sorted(unknown)}: its model inputs "
+                         "are input_ids and attention_mask (drop other tokenizer outputs, e.g. "
+                         "return_token_type_ids=False), its options GenerationConfig fields")
     for name in UNSUPPORTED_GENERATION_SETTINGS:
         value = getattr(config, name, None)
         if not _acts(name, value, config, prompt_length):
