@@ -488,3 +488,34 @@ def test_hidden_distillation_trains_and_needs_a_store_with_final_states(tmp_path
         Trainer(target, drafter, store_sequences(plain, 512), config, store=plain)
     with pytest.raises(ValueError, match=r"hidden_weight must be a finite number >= 0 \(0: off\), got -1.0"):
         TrainingConfig(hidden_weight=-1.0).validate()
+
+
+def test_train_refuses_a_run_folder_shape_options_and_a_store_of_another_target_before_loading(tmp_path, monkeypatch):
+    target = tiny_target(vocab_size=64)
+    build_store(target, random_records(n=3), FeatureStore(tmp_path / "s", meta_for(target)), tokens_per_batch=48)
+    from hf_dflash2 import assets
+    from hf_dflash2.cli import main
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load before the arguments are checked")
+
+    monkeypatch.setattr(assets, "load_target", no_target)
+    train = ["train", "--store", str(tmp_path / "s"), "--mixed-precision", "fp32"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoint.pt").write_bytes(b"a run")
+    with pytest.raises(SystemExit, match="already holds a run .*pass --resume"):
+        main([*train, "--output", str(tmp_path / "run")])
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == b"a run"  # untouched
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(SystemExit, match="--output .*afile is a file"):
+        main([*train, "--output", str(tmp_path / "afile")])
+    for option, value, message in (("--layers", "0", "--layers must be >= 1, got 0"),
+                                   ("--block-size", "1", "--block-size must be >= 2, got 1"),
+                                   ("--log-every", "0", "log_every must be >= 1, got 0"),
+                                   ("--lr", "inf", "learning_rate must be a finite number > 0, got inf"),
+                                   ("--draft-vocab-size", "0", "draft_vocab_size must be >= 1")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            main([*train, "--output", str(tmp_path / "new"), option, value])
+    with pytest.raises(SystemExit, match="holds the features of 'tiny', not of 'other/lm'"):
+        main([*train, "--output", str(tmp_path / "new"), "--target", "other/lm"])
+    assert not (tmp_path / "new").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -88,6 +89,15 @@ def test_resume_gives_identical_weights(tmp_path):
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert [h["loss"] for h in full.history] == [h["loss"] for h in resumed.history]
+
+
+def test_resume_with_another_head_shape_is_refused_by_name(tmp_path):
+    make_trainer(tmp_path, steps=4).train(stop_after=2)
+    for changed, message in (({"layers": 3}, "num_hidden_layers=3 (trained with 2)"),
+                             ({"selector_rank": 8}, "selector_rank=8 (trained with 16)"),
+                             ({"dflash2": False}, "selector_rank=None (trained with 16)")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            make_trainer(tmp_path, steps=4, **changed).train(resume=True)
 
 
 def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path):

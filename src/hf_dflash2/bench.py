@@ -184,9 +184,14 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     methods = args.methods.split(",")
     parse_chat_template(args.chat_template)  # before any model load
     heads_paths = {}
-    for name, folder in (("dflash2", args.head or default_head("smollm2-135m-dflash2")),
-                         ("dflash1", args.dflash1_head or default_head("smollm2-135m-dflash1"))):
-        if folder and Path(folder).exists():
+    for name, given, committed in (("dflash2", args.head, "smollm2-135m-dflash2"),
+                                   ("dflash1", args.dflash1_head, "smollm2-135m-dflash1")):
+        if given and not (Path(given) / "config.json").is_file():  # a typo must not turn into "no head"
+            raise SystemExit(f"--{'head' if name == 'dflash2' else 'dflash1-head'} {given}: no head there "
+                             "(no config.json)")
+        # the committed heads are SmolLM2-135M-Instruct's: another --target gets only the heads it is given
+        folder = given or (default_head(committed) if args.target is None else None)
+        if folder:
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
     from .precision import load_target_for_decoding

@@ -325,11 +325,17 @@ def cmd_train(args) -> int:
         config.validate()
     except ValueError as error:  # a named error, before any model loads
         raise SystemExit(f"hf-dflash2 train: {error}") from None
+    _check_train_args(args)
+    # what export reads back to rebuild the head on its own target
+    config.extra.update({"target": args.target, "gguf_file": args.gguf_file})
     store = None
     if args.store:
         from .store import FeatureStore
 
-        store = FeatureStore(args.store)
+        try:
+            store = FeatureStore(args.store)
+        except (FileNotFoundError, ValueError) as error:
+            raise SystemExit(f"hf-dflash2 train: --store {args.store}: {error}") from None
         if config.hidden_weight and not store.meta.final_hidden:
             raise SystemExit(
                 f"--hidden-weight {args.hidden_weight}: store {args.store} keeps no final hidden states "
@@ -354,13 +360,25 @@ def cmd_train(args) -> int:
         sequences = sequences[: args.max_sequences]
         if args.store:
             config.extra["data"] += f"; the first {len(sequences):,} used (--max-sequences)"
+    if store is not None and store.meta.target != _store_target_name(args):
+        raise SystemExit(f"--store {args.store} holds the features of {store.meta.target!r}, not of "
+                         f"{_store_target_name(args)!r}: pass its --target, or build a store for this one")
     # The target stays fp32 under autocast (its embedding / LM head are shared, frozen); the store
     # already holds its features, so its forward runs only for evaluation.
     from ..assets import load_target
 
     target, tokenizer = load_target(args.target, args.gguf_file)
     apply_chat_template_option(tokenizer, args.chat_template)
-    drafter = _new_drafter(target, args, layer_ids)
+    if store is not None:
+        text = target.config.get_text_config()
+        for name in ("hidden_size", "vocab_size"):
+            if getattr(store.meta, name) != getattr(text, name):
+                raise SystemExit(f"--store {args.store} has {name}={getattr(store.meta, name)}, the target "
+                                 f"{_store_target_name(args)} has {getattr(text, name)}")
+    try:
+        drafter = _new_drafter(target, args, layer_ids)
+    except ValueError as error:
+        raise SystemExit(f"hf-dflash2 train: {error}") from None
     eval_prompts = [ids for _, ids in encode_prompts(tokenizer, heldout_prompts(args.eval_prompts), 1024)]
     trainer = Trainer(target, drafter, sequences, config, eval_prompts=eval_prompts, store=store)
     resuming = args.resume and trainer.checkpoint_path.exists()
@@ -400,6 +418,21 @@ def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:
     humaneval, mtbench = load_humaneval_prompts()[8 * slice_index :], load_mtbench_prompts()[slice_index::10]
     mixed = [p for pair in zip(humaneval, mtbench) for p in pair]
     return mixed[:count]
+
+
+def _check_train_args(args) -> None:
+    """The head's shape options and the output folder, named, before any model loads."""
+    for name, least in (("layers", 1), ("block_size", 2), ("selector_rank", 1), ("selector_top_k", 1),
+                        ("max_sequences", 1)):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    output = Path(args.output)
+    if output.exists() and not output.is_dir():
+        raise SystemExit(f"--output {args.output} is a file, not a run folder")
+    if (output / "checkpoint.pt").exists() and not args.resume:
+        raise SystemExit(f"--output {args.output} already holds a run (checkpoint.pt): pass --resume to continue "
+                         "it, or choose another --output")
 
 
 def _new_drafter(target, args, layer_ids):

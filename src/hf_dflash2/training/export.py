@@ -25,8 +25,13 @@ def export_head(
     max_sequences: int | None = None,
     data_description: str | None = None,
     ema: bool = False,
+    target: str | None = None,
+    gguf_file: str | None = None,
 ) -> Path:
-    """A saved head from a run's checkpoint: its weights, or with ``ema`` their moving average."""
+    """A saved head from a run's checkpoint: its weights, or with ``ema`` their moving average.
+
+    ``target`` (folder or Hub id; ``gguf_file`` inside it): the model the run trained for; by default the
+    one the run recorded, else (runs before session 30) the offline SmolLM2-135M-Instruct."""
     from ..assets import load_target
     from ..hub import save_head
     from .losses import decay_gamma
@@ -41,12 +46,15 @@ def export_head(
     config = state["config"]
     if ema and state.get("drafter_ema") is None:
         raise ValueError(f"{checkpoint} holds no moving average of the weights: train with --ema-decay to export --ema")
-    target, _ = load_target()
-    drafter = _drafter_from_state(target, state, fallback or {})
+    extra = config.get("extra", {})
+    if target is None and "target" in extra:  # runs since session 30 record their target
+        target, gguf_file = extra["target"], extra.get("gguf_file")
+    model, _ = load_target(target, gguf_file)
+    drafter = _drafter_from_state(model, state, fallback or {})
     drafter.load_state_dict(state["drafter_ema"] if ema else state["drafter"])
     if config["vocab_subset"] == "data":
         drafter.set_draft_vocab(_data_vocab(state, data_path, config, max_sequences))
-    drafter.config.base_model = base_model or "HuggingFaceTB/SmolLM2-135M-Instruct"
+    drafter.config.base_model = base_model or (target if target else "HuggingFaceTB/SmolLM2-135M-Instruct")
     folder = save_head(drafter, head_dir, dtype=torch.bfloat16)
     recipe = {
         "steps": state["step"],
@@ -145,6 +153,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-sequences", type=int, default=None)
     parser.add_argument("--data-description", default=None, help="what the head was trained on, for the card")
     parser.add_argument("--ema", action="store_true", help="the weights' moving average (a run with --ema-decay)")
+    parser.add_argument("--target", default=None, help="the run's target (default: the one it recorded; runs "
+                        "before session 30 record none and mean the offline SmolLM2-135M-Instruct)")
+    parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
     args = parser.parse_args(argv)
     fallback = None
     if args.target_layer_ids:
@@ -164,6 +175,8 @@ def main(argv=None) -> int:
             max_sequences=args.max_sequences,
             data_description=args.data_description,
             ema=args.ema,
+            target=args.target,
+            gguf_file=args.gguf_file,
         )
     except (FileNotFoundError, ValueError) as error:
         raise SystemExit(f"export: {error}") from None

@@ -83,17 +83,20 @@ class TrainingConfig:
             raise ValueError(f"vocab_subset must be 'data' or 'full', got {self.vocab_subset!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16' here, got {self.mixed_precision!r}")
-        for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every"):
+        for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("loss_positions", "draft_vocab_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1 (or None: all), got {getattr(self, name)}")
         if not 0 < self.output_scale <= 1:
             raise ValueError(f"output_scale must be in (0, 1], got {self.output_scale}")
         if self.logit_ramp_steps < 0:
             raise ValueError(f"logit_ramp_steps must be >= 0 (0: no ramp), got {self.logit_ramp_steps}")
         if self.warmup_steps is not None and self.warmup_steps < 1:
             raise ValueError(f"warmup_steps must be >= 1 (or None for warmup_ratio), got {self.warmup_steps}")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
         if not (self.hidden_weight >= 0 and math.isfinite(self.hidden_weight)):
@@ -591,6 +594,19 @@ class Trainer:
                     f"{name}={asked}, but {self.checkpoint_path} was trained with {name}={trained}: "
                     f"resume with the same --{name.replace('_', '-')}"
                 )
+        saved = state.get("drafter_config")
+        if saved is not None:  # the head's shape is fixed at step 0: a resume with other shape options is refused
+            current = self.accelerator.unwrap_model(self.drafter).config.to_dict()
+            fields = [("num_hidden_layers", saved.get("num_hidden_layers"), current.get("num_hidden_layers")),
+                      ("vocab_size", saved.get("vocab_size"), current.get("vocab_size")),
+                      ("hidden_size", saved.get("hidden_size"), current.get("hidden_size"))]
+            fields += [(key, saved["dflash_config"].get(key), current["dflash_config"].get(key))
+                       for key in sorted(set(saved["dflash_config"]) | set(current["dflash_config"]))]
+            changed = [f"{name}={asked} (trained with {trained})"
+                       for name, trained, asked in fields if trained != asked]
+            if changed:
+                raise ValueError(f"{self.checkpoint_path} holds another head: {', '.join(changed)}; resume with the "
+                                 "run's own shape options, or train into another --output")
         if (state.get("feature_scale") is not None) != self.config.standardize_features:
             logger.warning("standardize_features=%s, but the checkpoint was trained with %s: its choice wins",
                            self.config.standardize_features, state.get("feature_scale") is not None)
