@@ -519,3 +519,36 @@ def test_train_refuses_a_run_folder_shape_options_and_a_store_of_another_target_
     with pytest.raises(SystemExit, match="holds the features of 'tiny', not of 'other/lm'"):
         main([*train, "--output", str(tmp_path / "new"), "--target", "other/lm"])
     assert not (tmp_path / "new").exists()
+
+
+def test_store_refuses_a_folder_that_is_not_a_store_and_bad_sizes_before_loading(tmp_path, monkeypatch):
+    from hf_dflash2 import assets
+    from hf_dflash2.cli import main
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load before the arguments are checked")
+
+    monkeypatch.setattr(assets, "load_target", no_target)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    store = ["store", "--mixed-precision", "fp32"]
+    with pytest.raises(SystemExit, match="exists and is not a feature store"):
+        main([*store, "--output", str(tmp_path / "model")])
+    assert [p.name for p in (tmp_path / "model").iterdir()] == ["config.json"]
+    for option in ("--top-k", "--max-length", "--max-tokens"):
+        with pytest.raises(SystemExit, match=f"{option} must be >= 1, got 0"):
+            main([*store, "--output", str(tmp_path / "new"), option, "0"])
+
+
+def test_store_checks_layers_and_top_k_against_the_target_before_writing_meta(tmp_path, monkeypatch):
+    from hf_dflash2.cli import main
+    from hf_dflash2.training import commands
+
+    target = tiny_target(vocab_size=64)
+    monkeypatch.setattr(commands, "_load_target", lambda args, precision: (target, None, torch.float32))
+    store = ["store", "--mixed-precision", "fp32", "--output", str(tmp_path / "s")]
+    with pytest.raises(SystemExit, match=r"--target-layer-ids \[1, 2, 9\]: the target has layers 0..5"):
+        main([*store, "--target-layer-ids", "1,2,9"])
+    with pytest.raises(SystemExit, match="--top-k 500 exceeds the target's vocabulary of 64"):
+        main([*store, "--top-k", "500"])
+    assert not (tmp_path / "s" / "meta.json").exists()  # a corrected rerun is not locked out

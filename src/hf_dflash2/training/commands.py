@@ -190,6 +190,13 @@ def cmd_store(args) -> int:
         if source != "sharegpt" and not Path(source).exists():
             raise SystemExit(f"--source {source!r}: neither 'sharegpt' nor an existing regenerated JSONL")
     layer_ids = _layer_ids(args.target_layer_ids)
+    for name in ("max_tokens", "max_length", "top_k", "tokens_per_batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or (any(output.iterdir()) and not (output / "meta.json").exists())):
+        raise SystemExit(f"--output {args.output} exists and is not a feature store (no meta.json): "
+                         "choose a new or empty folder")
     known_before_loading = {
         "target": _store_target_name(args), "top_k": args.top_k, "final_hidden": args.final_hidden,
     }
@@ -205,6 +212,12 @@ def cmd_store(args) -> int:
         from ..configuration_dflash2 import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(text_config.num_hidden_layers, 5)
+    # before meta.json is written: a store's first settings are its settings for good
+    if not all(0 <= i < text_config.num_hidden_layers for i in layer_ids):
+        raise SystemExit(f"--target-layer-ids {layer_ids}: the target has layers "
+                         f"0..{text_config.num_hidden_layers - 1}")
+    if args.top_k > text_config.vocab_size:
+        raise SystemExit(f"--top-k {args.top_k} exceeds the target's vocabulary of {text_config.vocab_size}")
     meta = StoreMeta(
         target=_store_target_name(args),
         target_layer_ids=layer_ids,

@@ -98,7 +98,7 @@ def check_store_fields(root: str | Path, stored: StoreMeta | None = None, fields
         if value != getattr(stored, name):
             raise ValueError(
                 f"store {root} was built with {name}={getattr(stored, name)!r}, "
-                f"not {value!r}: use another --store folder"
+                f"not {value!r}: use another store folder"
             )
 
 
