@@ -518,3 +518,18 @@ def test_a_run_on_another_target_exports_for_that_target(tmp_path):
     head = DFlash2DraftModel.from_pretrained(tmp_path / "head", dtype=torch.float32)
     assert head.config.vocab_size == 96 and head.config.base_model == str(tmp_path / "base")
     head.bind_target(target)
+
+
+def test_demo_runs_on_another_target_with_its_head(tmp_path, capsys):
+    from hf_dflash2.cli import main
+
+    target = tiny_target(vocab_size=96)
+    target.save_pretrained(tmp_path / "base")
+    tiny_base_tokenizer().save_pretrained(tmp_path / "base")
+    tiny_drafter(target).save_pretrained(tmp_path / "head")
+    with pytest.raises(SystemExit, match="pass --head FOLDER, a head trained for that target"):
+        main(["demo", "--target", str(tmp_path / "base")])
+    main(["demo", "hello world", "--target", str(tmp_path / "base"), "--head", str(tmp_path / "head"),
+          "--mixed-precision", "fp32", "--linear-kernel", "default", "--repeats", "1", "--max-new-tokens", "8"])
+    out = capsys.readouterr().out
+    assert f"loading {tmp_path / 'base'}" in out and "speedup" in out

