@@ -514,6 +514,8 @@ def test_a_run_on_another_target_exports_for_that_target(tmp_path):
           str(tmp_path / "run"), "--steps", "2", "--layers", "1", "--block-size", "4", "--selector-rank", "8",
           "--mask-token-id", "3", "--eval-every", "1000", "--eval-prompts", "0", "--mixed-precision", "fp32",
           "--vocab-subset", "full"])
+    run_head = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
+    assert run_head["base_model"] == str(tmp_path / "base")  # the card names the target, not "unknown"
     assert export_main([str(tmp_path / "run"), str(tmp_path / "head")]) == 0
     head = DFlash2DraftModel.from_pretrained(tmp_path / "head", dtype=torch.float32)
     assert head.config.vocab_size == 96 and head.config.base_model == str(tmp_path / "base")

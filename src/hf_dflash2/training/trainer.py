@@ -759,6 +759,8 @@ class Trainer:
 
         with self.exported_weights() as drafter:
             drafter.set_draft_vocab(self.vocab_subset)
+            if "target" in self.config.extra:  # recorded by `hf-dflash2 train`; None is its default target
+                drafter.config.base_model = self.config.extra["target"] or "HuggingFaceTB/SmolLM2-135M-Instruct"
             return save_head(drafter, folder)
 
     # ----------------------------------------------------------------- evaluation
