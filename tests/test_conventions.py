@@ -494,7 +494,7 @@ def test_regenerate_on_a_base_model_without_chat_template(tmp_path, caplog):
     assert all(1 <= len(r["response_ids"]) <= 3 for r in records)
 
 
-def test_a_run_on_another_target_exports_for_that_target(tmp_path):
+def test_a_run_on_another_target_exports_for_that_target(tmp_path, monkeypatch):
     """Export rebuilds the head on the target the run recorded (it always loaded SmolLM2, and failed on a
     vocabulary of another size), and names it as the card's base model."""
     import random
@@ -510,12 +510,14 @@ def test_a_run_on_another_target_exports_for_that_target(tmp_path):
     records = [{"prompt_ids": [1] + [rng.randrange(4, 96) for _ in range(6)],
                 "response_ids": [rng.randrange(4, 96) for _ in range(20)]} for _ in range(4)]
     (tmp_path / "regen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    main(["train", "--target", str(tmp_path / "base"), "--data", str(tmp_path / "regen.jsonl"), "--output",
+    monkeypatch.chdir(tmp_path)  # a relative --target is recorded as the folder it names
+    main(["train", "--target", "base", "--data", str(tmp_path / "regen.jsonl"), "--output",
           str(tmp_path / "run"), "--steps", "2", "--layers", "1", "--block-size", "4", "--selector-rank", "8",
           "--mask-token-id", "3", "--eval-every", "1000", "--eval-prompts", "0", "--mixed-precision", "fp32",
-          "--vocab-subset", "full"])
+          "--vocab-subset", "full", "--max-sequences", "0"])
     run_head = json.loads((tmp_path / "run" / "head" / "config.json").read_text())
     assert run_head["base_model"] == str(tmp_path / "base")  # the card names the target, not "unknown"
+    monkeypatch.chdir(tmp_path / "run")  # export from elsewhere still finds it
     assert export_main([str(tmp_path / "run"), str(tmp_path / "head")]) == 0
     head = DFlash2DraftModel.from_pretrained(tmp_path / "head", dtype=torch.float32)
     assert head.config.vocab_size == 96 and head.config.base_model == str(tmp_path / "base")

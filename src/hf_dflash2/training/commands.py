@@ -194,7 +194,9 @@ def cmd_store(args) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     output = Path(args.output)
-    if output.exists() and (not output.is_dir() or (any(output.iterdir()) and not (output / "meta.json").exists())):
+    # (a first run killed between writing meta.tmp and renaming it leaves only that file: not a foreign folder)
+    foreign = output.is_dir() and {p.name for p in output.iterdir()} - {"meta.tmp"}
+    if output.exists() and (not output.is_dir() or (foreign and not (output / "meta.json").exists())):
         raise SystemExit(f"--output {args.output} exists and is not a feature store (no meta.json): "
                          "choose a new or empty folder")
     known_before_loading = {
@@ -340,8 +342,8 @@ def cmd_train(args) -> int:
     except ValueError as error:  # a named error, before any model loads
         raise SystemExit(f"hf-dflash2 train: {error}") from None
     _check_train_args(args)
-    # what export reads back to rebuild the head on its own target
-    config.extra.update({"target": args.target, "gguf_file": args.gguf_file})
+    # what export reads back to rebuild the head on its own target, from any working directory
+    config.extra.update({"target": _absolute_if_local(args.target), "gguf_file": args.gguf_file})
     store = None
     if args.store:
         from .store import FeatureStore
@@ -374,7 +376,7 @@ def cmd_train(args) -> int:
         sequences = sequences[: args.max_sequences]
         if args.store:
             config.extra["data"] += f"; the first {len(sequences):,} used (--max-sequences)"
-    if store is not None and store.meta.target != _store_target_name(args):
+    if store is not None and not _same_target(store.meta.target, _store_target_name(args)):
         raise SystemExit(f"--store {args.store} holds the features of {store.meta.target!r}, not of "
                          f"{_store_target_name(args)!r}: pass its --target, or build a store for this one")
     # The target stays fp32 under autocast (its embedding / LM head are shared, frozen); the store
@@ -434,10 +436,20 @@ def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:
     return mixed[:count]
 
 
+def _absolute_if_local(target: str | None) -> str | None:
+    """A target folder as an absolute path (a Hub id, or None for the default, as given)."""
+    return str(Path(target).resolve()) if target is not None and Path(target).exists() else target
+
+
+def _same_target(a: str, b: str) -> bool:
+    """The same name, or two spellings of one local folder (``./m``, ``m``, ``/abs/m``)."""
+    return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
+
+
 def _check_train_args(args) -> None:
     """The head's shape options and the output folder, named, before any model loads."""
     for name, least in (("layers", 1), ("block_size", 2), ("selector_rank", 1), ("selector_top_k", 1),
-                        ("max_sequences", 1)):
+                        ("max_sequences", 0)):  # --max-sequences 0: every sequence (the recipes' default)
         value = getattr(args, name)
         if value is not None and value < least:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
