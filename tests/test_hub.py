@@ -228,3 +228,23 @@ def test_model_card_without_results_or_base_model(tmp_path):
     assert "No measured acceptance length yet" in card and '"num_speculative_tokens": 7' in card
     assert "base_model: org/target" in render_model_card(head, "me/head", base_model="org/target")
     assert (REPO / "src" / "hf_dflash2" / "model_cards" / "dflash2_head.md").exists()
+
+
+def test_dry_run_writes_what_would_be_uploaded_without_token_or_network(built, hub, monkeypatch, tmp_path, capsys):
+    from transformers import AutoModel
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    folder = built / "head"
+    before = snapshot(folder)
+    out = tmp_path / "staged"
+    assert main(["push", str(folder), REPO_ID, "--endpoint", hub.url, "--dry-run", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert hub.requests == [] and snapshot(folder) == before
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    for name in ("config.json", "model.safetensors", "README.md", "modeling_dflash2.py", "custom_generate/generate.py"):
+        assert name in names, name
+    assert not any(p.is_symlink() for p in out.rglob("*"))  # copies: the folder stands on its own
+    assert f"# {REPO_ID.split('/')[-1]}" in (out / "README.md").read_text()
+    AutoModel.from_pretrained(out, trust_remote_code=True)
+    with pytest.raises(ValueError, match="must be a new or empty folder"):
+        push_head(folder, REPO_ID, dry_run=out)

@@ -325,8 +325,8 @@ def render_model_card(
 # ----------------------------------------------------------------------------------------- push
 
 
-def _link_tree(source: Path, destination: Path) -> None:
-    """Mirror ``source`` into ``destination`` with symlinks (copies where links are not allowed)."""
+def _link_tree(source: Path, destination: Path, copy: bool = False) -> None:
+    """Mirror ``source`` into ``destination`` with symlinks (copies where links are not allowed, or with ``copy``)."""
     for path in sorted(source.rglob("*")):
         relative = path.relative_to(source)
         if relative.parts[0] in (".git", ".cache") or not path.is_file():
@@ -336,6 +336,8 @@ def _link_tree(source: Path, destination: Path) -> None:
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
+            if copy:
+                raise OSError("copies asked for")
             os.symlink(path.resolve(), target)
         except OSError:
             shutil.copy2(path, target)
@@ -352,8 +354,11 @@ def push_head(
     endpoint: str | None = None,
     base_model: str | None = None,
     commit_message: str | None = None,
+    dry_run: str | Path | None = None,
 ) -> str:
     """Upload a head folder (weights, config, remote code) plus a rendered model card to the Hub.
+
+    ``dry_run``: a new folder that receives, as copies, exactly what would be uploaded; no token, no network.
 
     Everything is checked before the first request: the folder, the repo id, the token. The card is
     written into a temporary mirror of the folder, never into ``head_folder`` itself. Returns the commit
@@ -373,6 +378,16 @@ def push_head(
         raise ValueError(f"invalid repo id {repo_id!r}: {error}") from None
     if create_pr and revision not in (None, "main"):
         raise ValueError("--create-pr opens the pull request against the default branch: do not combine it with --revision")
+    if dry_run is not None:
+        staging = Path(dry_run)
+        if staging.exists() and (not staging.is_dir() or any(staging.iterdir())):
+            raise ValueError(f"--dry-run {dry_run}: must be a new or empty folder")
+        card = render_model_card(head_folder, repo_id, results=_load_results(results), base_model=base_model)
+        staging.mkdir(parents=True, exist_ok=True)
+        _link_tree(head_folder, staging, copy=True)
+        write_remote_code(staging)
+        (staging / "README.md").write_text(card, encoding="utf-8")
+        return str(staging)
     if token is None:
         try:
             token = huggingface_hub.get_token()

@@ -21,6 +21,7 @@ def cmd_push(args) -> int:
             results=load_card_results(settings.results, settings.method),
             endpoint=args.endpoint,
             base_model=args.base_model,
+            dry_run=args.dry_run,
         )
     except (ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -72,4 +73,7 @@ def register(subparsers) -> None:
     push.add_argument("--base-model", default=None,
                       help="target model id for the card, if config.json has no base_model")
     push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
+    push.add_argument("--dry-run", default=None, metavar="DIR",
+                      help="write exactly what would be uploaded (weights, code, card) into the new folder DIR "
+                      "instead; no token or network needed")
     push.set_defaults(func=cmd_push)
