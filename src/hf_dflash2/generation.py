@@ -325,8 +325,9 @@ class _Output:
         span = criteria.maximum_token_len
         ends = self.prompt_length + self.count[rows.index]  # history index of this round's first token
         cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
+        window_start = ends[:, None] - span + 1 + torch.arange(span, device=ends.device)  # slot 0's window
         for slot in range(width):
-            index = (ends + slot)[:, None] - span + 1 + torch.arange(span, device=ends.device)
+            index = window_start + slot
             window = self.history[rows.index[:, None], index.clamp_min(0)]
             window = torch.where(window < 0, self.pad_token_id, window)
             window = torch.where(index < 0, torch.iinfo(torch.long).max, window)  # past the vocabulary: no match

@@ -335,12 +335,21 @@ def _link_tree(source: Path, destination: Path, copy: bool = False) -> None:
             continue  # replaced by the rendered card
         target = destination / relative
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            if copy:
-                raise OSError("copies asked for")
-            os.symlink(path.resolve(), target)
-        except OSError:
-            shutil.copy2(path, target)
+        if not copy:
+            try:
+                os.symlink(path.resolve(), target)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(path, target)
+
+
+def _stage_upload(head_folder: Path, staging: Path, card: str, copy: bool = False) -> None:
+    """``staging`` as the Hub repo will hold it: the head's files, this package's code, the rendered card."""
+    staging.mkdir(parents=True, exist_ok=True)
+    _link_tree(head_folder, staging, copy=copy)
+    write_remote_code(staging)  # the code of this package version, not whatever the folder holds
+    (staging / "README.md").write_text(card, encoding="utf-8")
 
 
 def push_head(
@@ -383,10 +392,7 @@ def push_head(
         if staging.exists() and (not staging.is_dir() or any(staging.iterdir())):
             raise ValueError(f"--dry-run {dry_run}: must be a new or empty folder")
         card = render_model_card(head_folder, repo_id, results=_load_results(results), base_model=base_model)
-        staging.mkdir(parents=True, exist_ok=True)
-        _link_tree(head_folder, staging, copy=True)
-        write_remote_code(staging)
-        (staging / "README.md").write_text(card, encoding="utf-8")
+        _stage_upload(head_folder, staging, card, copy=True)
         return str(staging)
     if token is None:
         try:
@@ -401,10 +407,7 @@ def push_head(
     api = huggingface_hub.HfApi(endpoint=endpoint, token=token)
     with tempfile.TemporaryDirectory(prefix="hf-dflash2-push-") as tmp:
         staging = Path(tmp) / head_folder.name
-        staging.mkdir()
-        _link_tree(head_folder, staging)
-        write_remote_code(staging)  # the code of this package version, not whatever the folder holds
-        (staging / "README.md").write_text(card, encoding="utf-8")
+        _stage_upload(head_folder, staging, card)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             info = api.upload_folder(

@@ -735,7 +735,8 @@ def check_head_config(path: str | None) -> None:
 
 
 def _safetensors_files(name_or_path, hub_kwargs: dict) -> list[str]:
-    """The head's weight files that are already local: ``model.safetensors``, or the shards its index names."""
+    """The head's weight files (local paths; a Hub head's are fetched into the cache, where ``from_pretrained``
+    then finds them): ``model.safetensors``, or the shards its index names."""
     single = _head_file(name_or_path, "model.safetensors", hub_kwargs)
     if single:
         return [single]

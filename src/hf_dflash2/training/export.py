@@ -32,7 +32,7 @@ def export_head(
 
     ``target`` (folder or Hub id; ``gguf_file`` inside it): the model the run trained for; by default the
     one the run recorded, else (runs before session 30) the offline SmolLM2-135M-Instruct."""
-    from ..assets import load_target
+    from ..assets import SMOLLM2_HUB_ID, load_target
     from ..hub import save_head
     from .losses import decay_gamma
 
@@ -54,7 +54,7 @@ def export_head(
     drafter.load_state_dict(state["drafter_ema"] if ema else state["drafter"])
     if config["vocab_subset"] == "data":
         drafter.set_draft_vocab(_data_vocab(state, data_path, config, max_sequences))
-    drafter.config.base_model = base_model or (target if target else "HuggingFaceTB/SmolLM2-135M-Instruct")
+    drafter.config.base_model = base_model or target or SMOLLM2_HUB_ID
     folder = save_head(drafter, head_dir, dtype=torch.bfloat16)
     recipe = {
         "steps": state["step"],

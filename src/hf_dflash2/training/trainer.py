@@ -597,9 +597,8 @@ class Trainer:
         saved = state.get("drafter_config")
         if saved is not None:  # the head's shape is fixed at step 0: a resume with other shape options is refused
             current = self.accelerator.unwrap_model(self.drafter).config.to_dict()
-            fields = [("num_hidden_layers", saved.get("num_hidden_layers"), current.get("num_hidden_layers")),
-                      ("vocab_size", saved.get("vocab_size"), current.get("vocab_size")),
-                      ("hidden_size", saved.get("hidden_size"), current.get("hidden_size"))]
+            fields = [(key, saved.get(key), current.get(key))
+                      for key in ("num_hidden_layers", "vocab_size", "hidden_size")]
             fields += [(key, saved["dflash_config"].get(key), current["dflash_config"].get(key))
                        for key in sorted(set(saved["dflash_config"]) | set(current["dflash_config"]))]
             changed = [f"{name}={asked} (trained with {trained})"
@@ -755,12 +754,13 @@ class Trainer:
 
     def save_head(self, folder: str | Path) -> Path:
         """A Hub-ready head folder (safetensors, config, remote code), written next to and renamed in."""
+        from ..assets import SMOLLM2_HUB_ID
         from ..hub import save_head
 
         with self.exported_weights() as drafter:
             drafter.set_draft_vocab(self.vocab_subset)
             if "target" in self.config.extra:  # recorded by `hf-dflash2 train`; None is its default target
-                drafter.config.base_model = self.config.extra["target"] or "HuggingFaceTB/SmolLM2-135M-Instruct"
+                drafter.config.base_model = self.config.extra["target"] or SMOLLM2_HUB_ID
             return save_head(drafter, folder)
 
     # ----------------------------------------------------------------- evaluation
