@@ -77,21 +77,31 @@ def test_sampling_without_top_k_keeps_transformers_default_of_50(pair):
 
 def test_settings_refused_only_where_generate_would_apply_them(pair):
     target, drafter = pair
-    target.generation_config.min_p, target.generation_config.eos_token_id = 0.2, 7
-    out = speculative_generate(target, drafter, IDS, max_new_tokens=4)  # min_p acts only when sampling
+    target.generation_config.top_h = 0.2
+    out = speculative_generate(target, drafter, IDS, max_new_tokens=4)  # top_h acts only when sampling
     assert int(out.num_generated[0]) == 4
-    with pytest.raises(ValueError, match=r"min_p=0.2 \(from the target's generation_config\)"):
+    with pytest.raises(ValueError, match=r"top_h=0.2 \(from the target's generation_config\)"):
         speculative_generate(target, drafter, IDS, max_new_tokens=4, do_sample=True)
     target.generation_config.do_sample = True
     assert int(speculative_generate(target, drafter, IDS, max_new_tokens=4, **PLAIN_GREEDY).num_generated[0]) <= 4
-    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_p=None)  # explicit None clears it
-    target.generation_config.do_sample, target.generation_config.min_p = False, None
-    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_length=IDS.shape[1])  # met by the prompt
-    speculative_generate(target, drafter, IDS, max_new_tokens=4, guidance_scale=1.0, min_new_tokens=0)
-    with pytest.raises(ValueError, match=r"min_new_tokens=2 \(from the call\)"):
-        speculative_generate(target, drafter, IDS, max_new_tokens=4, min_new_tokens=2)
-    target.generation_config.eos_token_id = None  # without an EOS there is nothing for a minimum to hold back
-    speculative_generate(target, drafter, IDS, max_new_tokens=4, min_new_tokens=2)
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, top_h=None)  # explicit None clears it
+    target.generation_config.do_sample, target.generation_config.top_h = False, None
+    speculative_generate(target, drafter, IDS, max_new_tokens=4, guidance_scale=1.0)  # 1 is no guidance
+    with pytest.raises(ValueError, match=r"guidance_scale=2.0 \(from the call\)"):
+        speculative_generate(target, drafter, IDS, max_new_tokens=4, guidance_scale=2.0)
+
+
+def test_plain_greedy_turns_every_processor_off(pair):
+    """The trainer's evaluation and held-out tau pass PLAIN_GREEDY: a target config with a repetition
+    penalty, a minimum length and min-p still decodes plain greedy."""
+    target, drafter = pair
+    plain = _generated(speculative_generate(target, drafter, IDS, max_new_tokens=12, eos_token_id=None))
+    config = target.generation_config
+    absent = next(token for token in range(2, 96) if token not in plain)
+    config.repetition_penalty, config.min_new_tokens, config.eos_token_id = 4.0, 12, absent
+    config.no_repeat_ngram_size, config.min_p = 1, 0.5
+    assert _generated(speculative_generate(target, drafter, IDS, max_new_tokens=12)) != plain
+    assert _generated(speculative_generate(target, drafter, IDS, max_new_tokens=12, **PLAIN_GREEDY)) == plain
 
 
 def test_a_max_length_as_long_as_the_context_leaves_room_for_a_block(pair):
@@ -108,21 +118,23 @@ def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward
     def no_forward(*args, **kwargs):
         raise AssertionError("the target ran before the settings were checked")
 
-    target.generation_config.repetition_penalty = 1.1
+    target.generation_config.num_beams = 2
     monkeypatch.setattr(target, "forward", no_forward)
-    with pytest.raises(ValueError, match=r"repetition_penalty=1.1 \(from the target's generation_config\)"):
+    with pytest.raises(ValueError, match=r"num_beams=2 \(from the target's generation_config\)"):
         speculative_generate(target, drafter, IDS)
-    with pytest.raises(ValueError, match=r"num_beams=2 \(from generation_config\)"):
-        speculative_generate(target, drafter, IDS, generation_config=GenerationConfig(num_beams=2),
-                             repetition_penalty=1.0)
-    with pytest.raises(ValueError, match=r"min_new_tokens=3 \(from the call\)"):
-        speculative_generate(target, drafter, IDS, repetition_penalty=1.0, min_new_tokens=3, eos_token_id=7)
+    with pytest.raises(ValueError, match=r"penalty_alpha=0.6 \(from generation_config\)"):
+        speculative_generate(target, drafter, IDS, generation_config=GenerationConfig(penalty_alpha=0.6, top_k=4),
+                             num_beams=1)
+    with pytest.raises(ValueError, match=r"return_dict_in_generate=True \(from the call\)"):
+        speculative_generate(target, drafter, IDS, num_beams=1, return_dict_in_generate=True)
     with pytest.raises(ValueError, match=r"unknown generation options \['not_an_option'\]"):
         speculative_generate(target, drafter, IDS, not_an_option=3)
     with pytest.raises(ValueError, match="generation_config must be a transformers.GenerationConfig, got dict"):
         speculative_generate(target, drafter, IDS, generation_config={"max_new_tokens": 3})
+    with pytest.raises(ValueError, match=r"bad_words_ids.*\[\[-1\]\]"):  # Transformers' check, before the prefill
+        speculative_generate(target, drafter, IDS, num_beams=1, bad_words_ids=[[-1]])
     monkeypatch.undo()
-    out = speculative_generate(target, drafter, IDS, max_new_tokens=4, repetition_penalty=1.0)
+    out = speculative_generate(target, drafter, IDS, max_new_tokens=4, num_beams=1)
     assert int(out.num_generated[0]) == 4
 
 

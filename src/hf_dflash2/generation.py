@@ -21,11 +21,12 @@ are never holes). Finished rows are removed from the batch so they stop costing 
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
-from transformers import DynamicCache, GenerationConfig
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
@@ -85,38 +86,101 @@ TRANSFORMERS_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k
 # since Transformers verifies there. Those in SAMPLING_ONLY act only when sampling, as in ``generate``.
 UNSUPPORTED_GENERATION_SETTINGS = {
     "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
-    "min_length": 0, "min_new_tokens": None, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "exponential_decay_length_penalty": None,
-    "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "max_time": None,
-    "return_dict_in_generate": False,
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "min_p": None, "top_h": None,
+    "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "return_dict_in_generate": False,
+    "top_h": None,
 }
-SAMPLING_ONLY = ("typical_p", "epsilon_cutoff", "eta_cutoff", "min_p", "top_h")
+SAMPLING_ONLY = ("top_h",)
+
+# Settings ``generate`` applies through logits processors that read the text so far. The fast loop runs
+# Transformers' own processors at every verified slot on that slot's prefix (``TargetLogitsProcessors``);
+# the values are the ones that turn each off.
+PROCESSED_SETTINGS = {
+    "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "min_length": 0,
+    "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+    "remove_invalid_values": False,
+}
+# Sampling warpers that come after top-p in generate's order and read only the scores: applied batched,
+# after temperature / top-k / top-p (``_Sampler``).
+TAIL_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
 
 # Plain greedy decoding whatever the target's generation_config asks (sampling, a repetition penalty):
 # what the trainer's evaluation and held-out tau measure a head on.
-PLAIN_GREEDY = {"do_sample": False, **UNSUPPORTED_GENERATION_SETTINGS}
+PLAIN_GREEDY = {"do_sample": False, "max_time": None, **UNSUPPORTED_GENERATION_SETTINGS, **PROCESSED_SETTINGS,
+                **TAIL_WARPERS}
 
 
-def _acts(name: str, value, config: GenerationConfig, prompt_length: int) -> bool:
+def _acts(name: str, value, config: GenerationConfig) -> bool:
     """Whether ``generate`` would apply this setting's value (its processors' own conditions)."""
     off = UNSUPPORTED_GENERATION_SETTINGS[name]
     if value is None or value == off or (off is None and not value):
         return False
     if name in SAMPLING_ONLY and not config.do_sample:
         return False
-    has_eos = config.eos_token_id is not None
-    if name == "min_length":
-        return has_eos and value > prompt_length
-    if name == "min_new_tokens":
-        return has_eos and value > 0
     if name == "guidance_scale":
         return value != 1
     return True
 
 
-def resolve_generation_config(target, generation_config: GenerationConfig | None = None, prompt_length: int = 0,
+class TargetLogitsProcessors:
+    """``generate``'s logits processors that read the text so far (repetition penalty, no-repeat n-grams,
+    bad words, minimum lengths, suppressed or forced tokens, a caller's ``logits_processor`` list), applied
+    to the target's logits at every verified slot, each on its own prefix: the prompt as given (padding
+    included, as ``generate`` passes it), the row's committed tokens, and the drafts on the path to the
+    slot. That is the text ``generate`` would hold before that token, so greedy output stays token-identical
+    and sampling draws ``generate``'s law.
+
+    Transformers builds them (``_get_logits_processor``), once per row: built-in processors keep per-row
+    state (the repetition penalty's padding length), and rows advance by different amounts, so a caller's
+    own processors are called with one row at a time. A round costs one small call per row and slot and
+    one host read, only when some processor is on (``active``)."""
+
+    def __init__(self, target, config: GenerationConfig, input_ids, attention_mask, max_new_tokens: int,
+                 logits_processor=None):
+        plain = copy.deepcopy(config)
+        plain.do_sample = False  # the warpers stay with _Sampler, batched over slots
+        plain.max_length = input_ids.shape[1] + max_new_tokens  # where forced_eos_token_id counts to
+        device = input_ids.device
+        target._prepare_special_tokens(plain, kwargs_has_attention_mask=True, device=device)
+        self.prompt_ids = input_ids
+
+        def for_row(i: int) -> LogitsProcessorList:
+            return target._get_logits_processor(
+                plain, input_ids.shape[1], encoder_input_ids=input_ids[i : i + 1],
+                logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+                device=device, model_kwargs={"attention_mask": attention_mask[i : i + 1]},
+            )
+
+        first = for_row(0)
+        self.active = len(first) > 0  # the same settings give every row the same processors, or none
+        self.per_row = [first, *(for_row(i) for i in range(1, input_ids.shape[0]))] if self.active else []
+
+    def first(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V] after the prompts -> processed."""
+        return torch.cat([processors(self.prompt_ids[i : i + 1], logits[i : i + 1])
+                          for i, processors in enumerate(self.per_row)])
+
+    def round(self, output: "_Output", rows: "_Rows", ids: torch.Tensor, logits: torch.Tensor,
+              tree: DraftTree | None = None) -> torch.Tensor:
+        """ids [n, w]: the anchor and this round's drafts (a chain, or the slots of ``tree``); logits
+        [n, w, V], slot j's the target's after ids[:, j] -> processed, slot by slot on its own prefix."""
+        logits = logits.clone()
+        counts = output.count[rows.index].tolist()  # the committed tokens end with the anchor
+        for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):
+            committed = torch.cat([self.prompt_ids[row], output.tokens[row, :count]])
+            for slot in range(ids.shape[1]):
+                if tree is None:
+                    path = ids[r, 1 : slot + 1]
+                else:  # the slots from the anchor to this one, by depth, less the anchor
+                    on_path = tree.ancestry[r, slot].nonzero().flatten()
+                    path = ids[r, on_path[tree.depth[r, on_path].argsort()][1:]]
+                prefix = torch.cat([committed, path])[None]
+                logits[r, slot : slot + 1] = self.per_row[row](prefix, logits[r, slot : slot + 1])
+        return logits
+
+
+def resolve_generation_config(target, generation_config: GenerationConfig | None = None,
                               **overrides) -> GenerationConfig:
     """The settings a ``speculative_generate`` call decodes with, by ``target.generate``'s precedence: the
     call's keyword arguments (``UNSET`` = not given; an explicit ``None`` overrides), then
@@ -138,7 +202,7 @@ def resolve_generation_config(target, generation_config: GenerationConfig | None
                          "return_token_type_ids=False), its options GenerationConfig fields")
     for name in UNSUPPORTED_GENERATION_SETTINGS:
         value = getattr(config, name, None)
-        if not _acts(name, value, config, prompt_length):
+        if not _acts(name, value, config):
             continue
         if name in given:
             origin = "the call"
@@ -214,17 +278,48 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         )
 
 
+def tail_warpers(config: GenerationConfig, device=None) -> list:
+    """Transformers' min-p / typical / epsilon / eta warpers for a sampling ``config``, as generate builds
+    them (``TAIL_WARPERS``; one token always kept)."""
+    from transformers.generation.logits_process import (
+        EpsilonLogitsWarper,
+        EtaLogitsWarper,
+        MinPLogitsWarper,
+        TypicalLogitsWarper,
+    )
+
+    warpers = []
+    if config.min_p is not None:
+        warpers.append(MinPLogitsWarper(min_p=config.min_p))
+    if config.typical_p is not None and config.typical_p < 1.0:
+        warpers.append(TypicalLogitsWarper(mass=config.typical_p))
+    if config.epsilon_cutoff is not None and 0.0 < config.epsilon_cutoff < 1.0:
+        warpers.append(EpsilonLogitsWarper(epsilon=config.epsilon_cutoff))
+    if config.eta_cutoff is not None and 0.0 < config.eta_cutoff < 1.0:
+        warpers.append(EtaLogitsWarper(epsilon=config.eta_cutoff, device=device or "cpu"))
+    return warpers
+
+
 class _Sampler:
     """The target's token choice: argmax, or a sample under temperature / top-k / top-p."""
 
-    def __init__(self, do_sample, temperature, top_k, top_p, generator):
+    def __init__(self, do_sample, temperature, top_k, top_p, generator, config: GenerationConfig | None = None,
+                 device=None):
         self.do_sample, self.temperature, self.top_k, self.top_p = do_sample, temperature, top_k, top_p
         self.generator = generator
         self.draft_temperature = temperature if do_sample else 0.0
+        self.tail_warpers = tail_warpers(config, device) if do_sample and config is not None else []
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V] logits -> the target's sampling distribution under temperature / top-k / top-p."""
-        return process_logits(logits, self.temperature, self.top_k, self.top_p).softmax(-1)
+        """[..., V] logits -> the target's sampling distribution under temperature / top-k / top-p (and
+        min-p / typical / epsilon / eta after them, in generate's order)."""
+        logits = process_logits(logits, self.temperature, self.top_k, self.top_p)
+        if self.tail_warpers:
+            flat = logits.reshape(-1, logits.shape[-1])
+            for warper in self.tail_warpers:  # they read the scores only
+                flat = warper(None, flat)
+            logits = flat.reshape(logits.shape)
+        return logits.softmax(-1)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N]"""
@@ -382,11 +477,14 @@ def observe_tree_round(policy: VerifyPolicy, draft: Proposal, tree: DraftTree, r
 
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
-                       streamer=None, ngram_size: int = 0, trees: bool = False) -> None:
+                       streamer=None, ngram_size: int = 0, trees: bool = False,
+                       processors: TargetLogitsProcessors | None = None, deadline: float | None = None) -> None:
     """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``, a
     round where the head drafted may verify a tree: its likeliest continuations and the n-gram's chain
     (``draft_tree``), as the policy plans. Tree nodes are fixed drafts (the head drafts greedily), so the
-    target's token at every slot is its argmax or, when sampling, a draw (``_Sampler.pick_per_slot``)."""
+    target's token at every slot is its argmax or, when sampling, a draw (``_Sampler.pick_per_slot``).
+    ``processors`` process the verified logits slot by slot first; past ``deadline`` (``time.monotonic``)
+    every row stops after its round, as ``max_time`` stops ``generate``."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
@@ -457,6 +555,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             with record_function("dflash2::verify"):
                 logits, features = verify(target, layer_ids, cache, context, ids, positions)
             with record_function("dflash2::accept"):
+                if processors is not None:
+                    logits = processors.round(output, rows, ids, logits)
                 accepted, tokens = sampler.accept(drafts, draft, logits)
                 source = None if draft is None else draft.source
                 policy.observe(None if draft is None else draft.confidence, k, accepted, source)
@@ -467,6 +567,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 logits, features = verify(target, layer_ids, cache, context, ids,
                                           rows.anchor_pos[:, None] + tree.depth, tree)
             with record_function("dflash2::accept"):
+                if processors is not None:
+                    logits = processors.round(output, rows, ids, logits, tree)
                 result = accept_tree(tree, sampler.pick_per_slot(logits, tree.depth))
                 # as if the path was verified alone: the features now, the cache after the next host read
                 features = gather_path(features, result.order)
@@ -478,6 +580,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         with record_function("dflash2::accept"):
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
+            if deadline is not None and time.monotonic() > deadline:
+                rows.finished = torch.ones_like(rows.finished)
         if streamer is not None:
             streamer.put(tokens[0, : int(written[0])].cpu())
 
@@ -512,6 +616,7 @@ def speculative_generate(
     draft_tree: bool = True,
     generation_config: GenerationConfig | None = None,
     tokenizer=None,
+    logits_processor: LogitsProcessorList | None = None,
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -527,8 +632,11 @@ def speculative_generate(
     target's own draw at every slot (``draft_tree``). The length is ``max_new_tokens``, else
     ``max_length`` minus the prompt (at most the context less a block), else 64 tokens. ``stop_strings``
     (with ``tokenizer``, as ``generate``) end a row at the token that completes one, checked after every
-    token as ``generate`` does. Settings the loop does not apply (repetition penalty, beams, ...) are
-    refused by name where ``generate`` would apply them, before the prefill.
+    token as ``generate`` does. Logits processors (repetition penalty, no-repeat n-grams, bad words, minimum
+    lengths, ..., and a ``logits_processor`` list) run at every verified slot on that slot's own text
+    (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
+    every row after the round that passes it. Settings the loop does not apply (beams, guidance, top-h,
+    ...) are refused by name where ``generate`` would apply them, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -549,7 +657,7 @@ def speculative_generate(
     check_input_ids(input_ids)
     # eos / pad ids: None = not given (the configs' ids), as before session 30
     config = resolve_generation_config(
-        target, generation_config, input_ids.shape[1], do_sample=do_sample, temperature=temperature, top_k=top_k,
+        target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
         top_p=top_p, eos_token_id=UNSET if eos_token_id is None else eos_token_id,
         pad_token_id=UNSET if pad_token_id is None else pad_token_id, **generation_kwargs,
     )
@@ -566,6 +674,7 @@ def speculative_generate(
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
+    deadline = time.monotonic() + config.max_time if config.max_time is not None else None
     do_sample, top_k, top_p = bool(config.do_sample), config.top_k, config.top_p
     temperature = 1.0 if config.temperature is None else config.temperature
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
@@ -591,12 +700,14 @@ def speculative_generate(
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator)
+    processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor)
+    processors = processors if processors.active else None
+    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
     eos = _eos_tensor(config.eos_token_id, device)
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings)
-    anchor = sampler.pick(last_logits)
+    anchor = sampler.pick(last_logits if processors is None else processors.first(last_logits))
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
     _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
@@ -605,7 +716,7 @@ def speculative_generate(
         streamer.put(anchor.cpu())
     trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
     speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
-                       ngram_size, trees)
+                       ngram_size, trees, processors, deadline)
     if streamer is not None:
         streamer.end()
     width = int(output.count.max())

@@ -1,0 +1,227 @@
+"""The fast loop applies ``generate``'s logits processors (repetition penalty, no-repeat n-grams, bad words,
+minimum lengths, a caller's ``logits_processor`` list, min-p, ...) at every verified slot on that slot's own
+text, so its output is what ``target.generate`` decodes with the same settings: token-identical greedy,
+on chains and trees, per row of a left-padded batch, and the same law when sampling."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+
+from hf_dflash2 import generation, speculative_generate
+from hf_dflash2.cost_model_dflash2 import CostModel
+
+from .conftest import tiny_drafter, tiny_target
+from .test_draft_tree import ForcedTrees
+from .test_fuzz_identity import VOCAB, NoisyOracleDrafter
+
+PROMPTS = [[5, 6, 7, 5, 6], [9, 10, 11], [3]]
+
+
+def _left_padded(prompts):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@pytest.fixture(scope="module")
+def target():
+    target = tiny_target("llama", vocab_size=VOCAB, seed=0).to(torch.float64)
+    with torch.no_grad():  # sharp logits: no near-ties between a verify and a plain step
+        target.get_output_embeddings().weight.mul_(8.0)
+    return target
+
+
+def _oracle(target, reference, ids, mask, seed=0):
+    """A drafter that proposes ``reference``'s rows (the processed continuation) up to random cuts."""
+    base = tiny_drafter(target).to(torch.float64)
+    drafter = NoisyOracleDrafter(base.config).to(torch.float64)
+    drafter.load_state_dict(base.state_dict())
+    drafter.rng, drafter.continuations = random.Random(seed), {}
+    for row in range(len(ids)):
+        start = int((mask[row] == 0).sum())
+        sequence = reference[row].tolist()
+        for i in range(ids.shape[1] - 1, len(sequence)):
+            drafter.continuations[(i - start, sequence[i])] = sequence[i + 1:]
+    return drafter
+
+
+class BanRecentTokens(LogitsProcessor):
+    """A caller's own processor that reads the text: the last three tokens may not come again."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter(1, input_ids[:, -3:], float("-inf"))
+
+
+SETTINGS = {
+    "repetition": dict(repetition_penalty=1.5, no_repeat_ngram_size=2),
+    "lengths and words": dict(min_new_tokens=20, eos_token_id=17, bad_words_ids=[[40, 41], [52]],
+                              suppress_tokens=[30, 31], sequence_bias={(44,): 3.0}),
+    "own processor": dict(logits_processor=LogitsProcessorList([BanRecentTokens()]), encoder_repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_processors_keep_greedy_identity_with_drafts_accepted(target, name):
+    """Batch 3, left-padded, fixed blocks of 4 drafted by an oracle of the processed continuation, so most
+    drafts pass and every acceptance length occurs: each row equals batched ``generate`` with the same
+    settings, which differs from plain greedy (the settings act)."""
+    settings = SETTINGS[name]
+    ids, mask = _left_padded(PROMPTS)
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, **{"eos_token_id": None, **settings})
+    reference = target.generate(ids, attention_mask=mask, **common)
+    plain = {k: v for k, v in common.items() if k not in settings or k == "eos_token_id"}
+    assert not torch.equal(reference, target.generate(ids, attention_mask=mask, **plain))
+    drafter = _oracle(target, reference, ids, mask)
+    out = speculative_generate(target, drafter, ids, mask, adaptive=False, **common)
+    assert out.stats.accepted > 20
+    width = reference.shape[1]
+    assert torch.equal(out.sequences[:, :width], reference)
+
+
+def test_drafted_slots_see_their_drafts(target, monkeypatch):
+    """Negative control: processors that read only the committed text at every slot (the drafts before the
+    slot left out) decode another text with the same oracle."""
+    ids, mask = _left_padded(PROMPTS)
+    settings = SETTINGS["repetition"]
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None, **settings)
+    reference = target.generate(ids, attention_mask=mask, **common)
+    drafter = _oracle(target, reference, ids, mask)
+    per_slot = generation.TargetLogitsProcessors.round
+
+    def committed_only(self, output, rows, ids, logits, tree=None):
+        return per_slot(self, output, rows, ids[:, :1].expand_as(ids).clone(), logits, tree)
+
+    monkeypatch.setattr(generation.TargetLogitsProcessors, "round", committed_only)
+    out = speculative_generate(target, drafter, ids, mask, adaptive=False, **common)
+    assert not torch.equal(out.sequences[:, : reference.shape[1]], reference)
+
+
+class CountUp(LogitsProcessor):
+    """The next token is strongly the last one plus one: text that counts, so n-gram drafts copied from a
+    counting prompt are accepted."""
+
+    def __call__(self, input_ids, scores):
+        return scores.scatter_add(1, (input_ids[:, -1:] + 1) % scores.shape[-1],
+                                  torch.full_like(scores[:, :1], 50.0))
+
+
+def test_tree_rounds_keep_greedy_identity_with_processors(target):
+    """Forced tree rounds (the head's nodes and the n-gram's chain as branches) with a text-reading processor
+    and a repetition penalty: the accepted paths run through n-gram branches, and the output equals
+    ``generate``'s."""
+    prompts = [list(range(20, 34)) + [20, 21, 22], list(range(50, 60)) + [50, 51]]
+    ids, mask = _left_padded(prompts)
+    common = dict(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=None, repetition_penalty=1.2,
+                  logits_processor=LogitsProcessorList([CountUp()]))
+    reference = target.generate(ids, attention_mask=mask, **common)
+    drafter = tiny_drafter(target, block_size=5).to(torch.float64)
+    out = speculative_generate(target, drafter, ids, mask, verify_policy=ForcedTrees([(3, 6), (2, 4)]),
+                               block_size=12, **common)
+    assert out.stats.tree_rounds > 0 and out.stats.accepted > 10
+    assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
+
+
+class RecordPrefixes(LogitsProcessor):
+    def __init__(self):
+        self.prefixes = []
+
+    def __call__(self, input_ids, scores):
+        self.prefixes.append(input_ids[0].tolist())
+        return scores
+
+
+def test_each_tree_slot_is_processed_on_its_own_branch():
+    """A tree whose slots are not in path order (two branches from the anchor, one hanging from a middle
+    slot): every slot's processors see the prompt, the committed tokens and exactly its own branch."""
+    from hf_dflash2.draft_tree import ancestry_of
+
+    committed_row = [7, 8]
+    parent = torch.tensor([[0, 0, 1, 0, 2, 3]])  # slots 1, 3 hang from the anchor; 2 from 1; 4 from 2; 5 from 3
+    depth = torch.tensor([[0, 1, 2, 1, 3, 2]])
+    tokens = torch.tensor([[11, 12, 13, 14, 15]])
+    tree = generation.DraftTree(tokens, depth, parent, ancestry_of(parent), 5, 0, torch.zeros(1, dtype=torch.long),
+                                torch.zeros(1, dtype=torch.long))
+    recorder = RecordPrefixes()
+    prompt = torch.tensor([[0, 3, 4]])
+    processors = generation.TargetLogitsProcessors(
+        tiny_target(vocab_size=16), GenerationConfig(), prompt, torch.tensor([[0, 1, 1]]), 8,
+        LogitsProcessorList([recorder]))
+
+    class Output:
+        count = torch.tensor([2])
+        tokens = torch.tensor([committed_row + [0] * 6])
+
+    rows = generation._Rows(torch.tensor([0]), torch.tensor([8]), torch.tensor([4]), torch.tensor([False]))
+    ids = torch.cat([torch.tensor([[8]]), tokens], dim=1)
+    processors.round(Output, rows, ids, torch.zeros(1, 6, 16), tree)
+    base = [0, 3, 4, 7, 8]  # the prompt as given (padding too) and the committed tokens, ending in the anchor
+    assert recorder.prefixes == [base, base + [11], base + [11, 12], base + [13], base + [11, 12, 14],
+                                 base + [13, 15]]
+
+
+def _law_under_generate(target, prompt, settings, tokens=2):
+    """Exact law of the first ``tokens`` tokens under Transformers' own processors and warpers."""
+    config = GenerationConfig(do_sample=True, **settings)
+    target._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu")
+    processors = target._get_logits_processor(config, prompt.shape[1], encoder_input_ids=prompt, device="cpu")
+    vocab = target.config.vocab_size
+    with torch.no_grad():
+        law, prefixes = torch.ones(()), prompt
+        for step in range(tokens):
+            following = processors(prefixes, target(prefixes).logits[:, -1].float()).softmax(-1)
+            law = law[..., None] * following.view(*law.shape, vocab)
+            if step + 1 < tokens:
+                prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0),
+                                      torch.arange(vocab).repeat(len(prefixes))[:, None]], dim=1)
+    return law
+
+
+def test_sampling_with_processors_and_min_p_keeps_generates_law():
+    """20,000 sampled runs with drafts verified (free drafts in the cost model): the law of the first two
+    tokens under a repetition penalty, temperature / top-k / top-p and min-p is ``generate``'s (total
+    variation < 0.05, as the loop's lossless test), and far from the law without the penalty or min-p."""
+    target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
+    with torch.no_grad():  # a law peaked enough for min-p to act
+        target.get_output_embeddings().weight.mul_(6.0)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
+    prompt = torch.tensor([[3, 7, 1, 5]])
+    settings = dict(temperature=1.3, top_k=8, top_p=0.95, min_p=0.4, repetition_penalty=3.0)
+    exact = _law_under_generate(target, prompt, settings)
+    without = _law_under_generate(target, prompt, {**settings, "repetition_penalty": 1.0})
+    assert 0.5 * float((exact - without).abs().sum()) > 0.15
+    without_min_p = _law_under_generate(target, prompt, {**settings, "min_p": None})
+    assert 0.5 * float((exact - without_min_p).abs().sum()) > 0.15
+    counts, generator, drafted = torch.zeros(12, 12), torch.Generator().manual_seed(7), 0
+    for _ in range(4):
+        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=2, do_sample=True,
+                                   generator=generator, cost_model=CostModel([1.0] * 4, 1e-6), ngram_size=0,
+                                   draft_tree=False, **settings)
+        pairs = out.sequences[:, 4:6]
+        counts.index_put_((pairs[:, 0], pairs[:, 1]), torch.ones(len(pairs)), accumulate=True)
+        drafted += sum(out.stats.verify_length_histogram[1:])
+    assert drafted > 0
+    assert 0.5 * float((counts / counts.sum() - exact).abs().sum()) < 0.05
+
+
+def test_max_time_stops_every_row_after_the_round_that_passes_it(target):
+    ids, mask = _left_padded(PROMPTS)
+    drafter = tiny_drafter(target).to(torch.float64)
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, max_time=1e-9, adaptive=False)
+    assert 1 <= int(out.num_generated.max()) <= drafter.config.block_size + 1  # the first token and one round
+    out = speculative_generate(target, drafter, ids, mask, max_new_tokens=40, max_time=600.0, eos_token_id=None)
+    assert out.num_generated.tolist() == [40, 40, 40]
+
+
+def test_settings_still_refused_name_themselves(target):
+    drafter = tiny_drafter(target).to(torch.float64)
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"num_beams=2 \(from the call\)"):
+        speculative_generate(target, drafter, ids, num_beams=2)
+    with pytest.raises(ValueError, match=r"top_h=0.5 \(from the call\)"):
+        speculative_generate(target, drafter, ids, do_sample=True, top_h=0.5)
+    speculative_generate(target, drafter, ids, max_new_tokens=2, top_h=0.5)  # top-h acts only when sampling
