@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from hf_dflash2 import generation, speculative_generate
 from hf_dflash2.cost_model_dflash2 import CostModel
@@ -225,3 +225,49 @@ def test_settings_still_refused_name_themselves(target):
     with pytest.raises(ValueError, match=r"top_h=0.5 \(from the call\)"):
         speculative_generate(target, drafter, ids, do_sample=True, top_h=0.5)
     speculative_generate(target, drafter, ids, max_new_tokens=2, top_h=0.5)  # top-h acts only when sampling
+
+
+class StopAfter(StoppingCriteria):
+    """A caller's criterion that reads the whole text: stop once the generated tokens (past the prompt of
+    ``prompt`` columns) sum past ``limit``; records the scores' shape it was given."""
+
+    def __init__(self, prompt: int, limit: int):
+        self.prompt, self.limit, self.scores = prompt, limit, set()
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.scores.add(None if scores is None else tuple(scores.shape))
+        return input_ids[:, self.prompt:].sum(-1) > self.limit
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_stopping_criteria_end_each_row_where_generate_stops_it(target, trees):
+    """Batch 3, left-padded, drafts accepted (oracle chains, or forced trees with n-gram branches): each
+    row ends at the token where ``generate`` with the same criterion stops it, mid-round."""
+    ids, mask = _left_padded(PROMPTS)
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reference_criterion = StopAfter(ids.shape[1], 600)
+    full = target.generate(ids, attention_mask=mask, **common)
+    policy = dict(verify_policy=ForcedTrees([(3, 6)]), block_size=12) if trees else dict(adaptive=False)
+    drafter = _oracle(target, full, ids, mask) if not trees else tiny_drafter(target, block_size=5).to(torch.float64)
+    criterion = StopAfter(ids.shape[1], 600)
+    out = speculative_generate(target, drafter, ids, mask, stopping_criteria=StoppingCriteriaList([criterion]),
+                               **policy, **common)
+    for row in range(len(PROMPTS)):  # generate pads a row that stopped while others go on
+        alone = target.generate(ids[row : row + 1], attention_mask=mask[row : row + 1],
+                                stopping_criteria=StoppingCriteriaList([reference_criterion]), **common)
+        expected = alone[0, ids.shape[1]:].tolist()
+        assert 0 < len(expected) < 30  # the criterion fires inside the budget
+        assert out.sequences[row, ids.shape[1] : ids.shape[1] + int(out.num_generated[row])].tolist() == expected
+    assert criterion.scores == {(1, VOCAB)}
+
+
+def test_the_transformers_path_applies_them_too(target):
+    """``generate(assistant_model=head)`` with the same settings: Transformers applies the processors at
+    every verified position, with our generator's drafts (an oracle, so they are accepted)."""
+    ids = torch.tensor([PROMPTS[0]])
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None, **SETTINGS["repetition"])
+    reference = target.generate(ids, **common)
+    drafter = _oracle(target, reference, ids, torch.ones_like(ids))
+    drafter.adaptive_verify = False  # whole blocks: the random head's confidence would verify nothing
+    assert torch.equal(target.generate(ids, assistant_model=drafter, **common), reference)
+    assert drafter.last_speculative_stats.accepted > 10

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
@@ -374,12 +374,15 @@ class _Output:
     """Generated tokens per output row, with EOS and token-budget stops inside a block.
 
     ``history`` [N, P + max_new_tokens + B] holds each row's prompt (-1 on left padding) followed by its
-    generated ``tokens`` (a view), which is what n-gram drafts are matched against."""
+    generated ``tokens`` (a view), which is what n-gram drafts are matched against. ``stop_strings`` (a
+    ``StopStringCriteria``) and a caller's ``stopping_criteria`` end a row at the token where they fire."""
 
-    def __init__(self, input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings=None):
+    def __init__(self, input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings=None,
+                 stopping_criteria=None):
         n_rows, prompt = input_ids.shape
         device = input_ids.device
         self.stop_strings, self.pad_token_id = stop_strings, pad_token_id
+        self.stopping_criteria, self.prompt_ids = stopping_criteria, input_ids
         self.history = torch.full((n_rows, prompt + max_new_tokens + block_size), pad_token_id, dtype=torch.long,
                                   device=device)
         self.history[:, :prompt] = torch.where(attention_mask.bool(), input_ids, -1)
@@ -389,9 +392,10 @@ class _Output:
         self.max_new_tokens, self.eos = max_new_tokens, eos
         self.offsets = torch.arange(block_size, device=device)
 
-    def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor):
-        """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid.
-        Writes them up to EOS / budget -> (written [n], within [n, w] the valid slots, finished [n])."""
+    def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor, scores: torch.Tensor | None = None):
+        """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid (``scores``
+        [n, w, V]: the target's processed logits each was chosen from, for ``stopping_criteria``).
+        Writes them up to EOS / budget / a stop -> (written [n], within [n, w] the valid slots, finished [n])."""
         offsets = self.offsets[: tokens.shape[1]]
         within = offsets[None] < commit[:, None]
         is_eos = torch.isin(tokens, self.eos) & within
@@ -401,14 +405,35 @@ class _Output:
         current = self.tokens[rows.index[:, None], at]
         self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < written[:, None], tokens, current)
         stopped = torch.zeros_like(is_eos[:, 0])
+        cuts = []
         if self.stop_strings is not None:
-            stop_cut, stopped = self._stop_string_cut(rows, written, tokens.shape[1])
+            cuts.append(lambda written: self._stop_string_cut(rows, written, tokens.shape[1]))
+        if self.stopping_criteria is not None:
+            cuts.append(lambda written: self._criteria_cut(rows, written, scores))
+        for cut in cuts:  # each sees the text the one before left
+            stop_cut, stops = cut(written)
             self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < stop_cut[:, None],
                                                                self.tokens[rows.index[:, None], at], current)
-            written = stop_cut
+            written, stopped = stop_cut, stopped | stops
         self.count[rows.index] += written
         finished = is_eos.any(-1) | stopped | (self.count[rows.index] >= self.max_new_tokens)
         return written, within, finished
+
+    def _criteria_cut(self, rows: _Rows, written: torch.Tensor, scores: torch.Tensor | None):
+        """The caller's ``stopping_criteria`` after each of this round's written tokens, called as ``generate``
+        calls them: on the row's whole text up to that token (the prompt as given) and the scores it was
+        chosen from; one row at a time, since rows hold different lengths -> (tokens to keep [n], stopped [n])."""
+        cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
+        counts = self.count[rows.index].tolist()  # before this round's tokens
+        for r, (row, count, n) in enumerate(zip(rows.index.tolist(), counts, written.tolist())):
+            text = torch.cat([self.prompt_ids[row], self.tokens[row, : count + n]])[None]
+            for slot in range(n):
+                length = self.prompt_length + count + slot + 1
+                slot_scores = None if scores is None else scores[r, slot][None]
+                if bool(self.stopping_criteria(text[:, :length], slot_scores).any()):
+                    cut[r], stopped[r] = slot + 1, True
+                    break
+        return cut, stopped
 
     def _stop_string_cut(self, rows: _Rows, written: torch.Tensor, width: int):
         """Transformers' ``StopStringCriteria`` after each of this round's written tokens, on the text up to it
@@ -578,7 +603,11 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 observe_tree_round(policy, draft, tree, result)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
-            written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
+            scores = None  # each committed token's logits, for a caller's stopping criteria
+            if output.stopping_criteria is not None:
+                scores = logits if tree is None else logits.gather(1, result.order[..., None].expand(
+                    -1, -1, logits.shape[-1]))
+            written, within, rows.finished = output.commit(rows, tokens, accepted + 1, scores)
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
             if deadline is not None and time.monotonic() > deadline:
                 rows.finished = torch.ones_like(rows.finished)
@@ -617,6 +646,7 @@ def speculative_generate(
     generation_config: GenerationConfig | None = None,
     tokenizer=None,
     logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -635,8 +665,10 @@ def speculative_generate(
     token as ``generate`` does. Logits processors (repetition penalty, no-repeat n-grams, bad words, minimum
     lengths, ..., and a ``logits_processor`` list) run at every verified slot on that slot's own text
     (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
-    every row after the round that passes it. Settings the loop does not apply (beams, guidance, top-h,
-    ...) are refused by name where ``generate`` would apply them, before the prefill.
+    every row after the round that passes it; a ``stopping_criteria`` list is called after every committed
+    token on the row's text up to it (one row at a time) and ends the row where it fires. Settings the
+    loop does not apply (beams, guidance, top-h, ...) are refused by name where ``generate`` would apply
+    them, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -706,11 +738,14 @@ def speculative_generate(
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
     eos = _eos_tensor(config.eos_token_id, device)
-    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings)
-    anchor = sampler.pick(last_logits if processors is None else processors.first(last_logits))
+    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
+                     stopping_criteria if stopping_criteria else None)
+    if processors is not None:
+        last_logits = processors.first(last_logits)
+    anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
-    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
+    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor), last_logits[:, None])
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
