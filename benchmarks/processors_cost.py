@@ -6,8 +6,8 @@ Since session 31 the fast loop applies generate's logits processors at every ver
 own text (one small call per row and slot). Per prompt (MT-Bench and HumanEval, alternating), interleaved,
 greedy: ``generate`` and the fast loop, each with and without the penalty. Reports each speedup over
 ``generate`` with the same settings, tau, and whether the two texts with the penalty are the same (in bf16
-they may part at near-ties, as without it). Precision and linear kernel as the demo (``auto``). Writes
-benchmarks/results/processors_cost_<cpu kind>.{json,md,png}.
+they may part at near-ties, as without it). Precision (``--dtype``, default ``auto``) and linear kernel as
+the demo. Writes benchmarks/results/processors_cost_<cpu kind>[_<dtype>].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--repetition-penalty", type=float, default=1.2)
+    parser.add_argument("--dtype", default="auto", help="auto (the demo's), bf16 or fp32 (exact texts)")
     args = parser.parse_args()
     if not args.repetition_penalty > 0:
         parser.error(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
-    target, tokenizer = load_target_for_decoding("auto")
+    target, tokenizer = load_target_for_decoding(args.dtype)
     head = load_head(default_head(), target)
     sets = list(zip(load_mtbench_prompts()[: args.prompts], load_humaneval_prompts()[: args.prompts]))
     prompts = [p for pair in sets for p in pair]
@@ -65,7 +66,7 @@ def main() -> None:
                     generated = out[0, ids.shape[1]:].tolist()
                 else:
                     generated = out.sequences[0, ids.shape[1]: ids.shape[1] + int(out.num_generated[0])].tolist()
-                    tau[method] = out.stats.tau
+                    tau[method] = out.stats.acceptance_length
                 tokens[method].append(len(generated))
                 texts[method] = generated
         rate = {m: statistics.median(t / s for t, s in zip(tokens[m], times[m])) for m in calls}
@@ -74,14 +75,16 @@ def main() -> None:
                      "fast / generate": rate["fast"] / rate["generate"],
                      "tau + penalty": tau["fast + penalty"], "tau": tau["fast"],
                      "same text + penalty": texts["fast + penalty"] == texts["generate + penalty"],
+                     "same text": texts["fast"] == texts["generate"],
                      "penalty changes generate's text": texts["generate + penalty"] != texts["generate"]})
     summary = {
         "median fast + penalty / generate + penalty": statistics.median(
             r["fast + penalty / generate + penalty"] for r in rows),
         "median fast / generate": statistics.median(r["fast / generate"] for r in rows),
         "texts with the penalty equal to generate's": f"{sum(r['same text + penalty'] for r in rows)} of {len(rows)}",
+        "texts without it equal to generate's": f"{sum(r['same text'] for r in rows)} of {len(rows)}",
     }
-    name = f"processors_cost_{cpu_kind()}"
+    name = f"processors_cost_{cpu_kind()}" + ("" if args.dtype == "auto" else f"_{args.dtype}")
     command = " ".join(["python", *sys.argv])
     save(name, {"command": command, "dtype": str(target.dtype), "rows": rows, **summary})
     text = table(rows, list(rows[0])) + "\n\n" + "\n".join(

@@ -92,6 +92,7 @@ SLOW_TESTS = {
     "test_real_model_batched_rows_equal_single",
     "test_push_then_load_from_the_hub_and_generate",
     "test_remote_code_loads_without_the_package_bit_exact",
+    "test_sampling_with_processors_and_min_p_keeps_generates_law",
 }
 
 

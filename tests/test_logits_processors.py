@@ -271,3 +271,29 @@ def test_the_transformers_path_applies_them_too(target):
     drafter.adaptive_verify = False  # whole blocks: the random head's confidence would verify nothing
     assert torch.equal(target.generate(ids, assistant_model=drafter, **common), reference)
     assert drafter.last_speculative_stats.accepted > 10
+
+
+def test_drafts_follow_the_processors(target, monkeypatch):
+    """The head drafts on logits the row's processors have seen (on its committed text), so it does not
+    spend a round's slots on tokens the target's decoding bans: with most of the vocabulary suppressed, no
+    head draft holds a suppressed token (without the hook, a random head drafts them nearly everywhere)."""
+    banned = list(range(2, 80))
+    drafted = []
+    propose = generation.propose
+
+    def spy(*args, **kwargs):
+        proposal, head_drafted = propose(*args, **kwargs)
+        if head_drafted:
+            drafted.append(proposal.head_tokens.flatten())
+        return proposal, head_drafted
+
+    monkeypatch.setattr(generation, "propose", spy)
+    ids, mask = _left_padded(PROMPTS)
+    drafter = tiny_drafter(target).to(torch.float64)
+    common = dict(max_new_tokens=12, eos_token_id=None, pad_token_id=0, adaptive=False, ngram_size=0)
+    speculative_generate(target, drafter, ids, mask, **common)
+    assert torch.isin(torch.cat(drafted), torch.tensor(banned)).float().mean() > 0.5
+    drafted.clear()
+    out = speculative_generate(target, drafter, ids, mask, suppress_tokens=banned, **common)
+    assert not torch.isin(torch.cat(drafted), torch.tensor(banned)).any()
+    assert not torch.isin(out.sequences[:, ids.shape[1]:], torch.tensor(banned)).any()

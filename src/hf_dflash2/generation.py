@@ -144,6 +144,7 @@ class TargetLogitsProcessors:
         device = input_ids.device
         target._prepare_special_tokens(plain, kwargs_has_attention_mask=True, device=device)
         self.prompt_ids = input_ids
+        self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
         def for_row(i: int) -> LogitsProcessorList:
             return target._get_logits_processor(
@@ -160,6 +161,28 @@ class TargetLogitsProcessors:
         """logits [N, V] after the prompts -> processed."""
         return torch.cat([processors(self.prompt_ids[i : i + 1], logits[i : i + 1])
                           for i, processors in enumerate(self.per_row)])
+
+    def for_drafts(self, output: "_Output", rows: "_Rows"):
+        """A ``draft_block`` logits hook: each row's processors on the head's unary logits at every drafted
+        position, on the row's committed text. The drafts before a position are not known yet, so deeper
+        positions see a shorter text than the target will: this only shapes the draft (a repetition
+        penalty lowers the same tokens for both), never the output."""
+
+        def process(logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+            logits = logits.clone()
+            full_vocab = self.vocab_size
+            counts = output.count[rows.index].tolist()
+            for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):
+                text = torch.cat([self.prompt_ids[row], output.tokens[row, :count]])[None]
+                for position in range(logits.shape[1]):
+                    scores = logits[r, position : position + 1]
+                    if vocab is not None:  # a draft vocabulary: out-of-vocabulary tokens cannot be drafted
+                        scores = scores.new_full((1, full_vocab), float("-inf")).index_copy(1, vocab, scores)
+                    scores = self.per_row[row](text, scores)
+                    logits[r, position] = scores[0] if vocab is None else scores[0, vocab]
+            return logits
+
+        return process
 
     def round(self, output: "_Output", rows: "_Rows", ids: torch.Tensor, logits: torch.Tensor,
               tree: DraftTree | None = None) -> torch.Tensor:
@@ -524,7 +547,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       draft_temperature, sampler.generator, ngram_size, history, length,
-                                      rank_nodes)
+                                      rank_nodes, None if processors is None else processors.for_drafts(output, rows))
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts

@@ -597,10 +597,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         temperature: float = 0.0,
         generator: torch.Generator | None = None,
         block_size: int | None = None,
+        logits_processor=None,
     ) -> DraftOutput:
         """Draft ``B - 1`` tokens after each row's anchor in one forward pass.
 
-        anchor_ids, anchor_positions: [N]; context_*: see ``block_attention_mask``.
+        anchor_ids, anchor_positions: [N]; context_*: see ``block_attention_mask``. ``logits_processor``:
+        a callable (unary logits [N, B - 1, V'], vocab ids [V'] or None) -> logits, applied before the
+        selector, so that drafts follow what the target's decoding does to its own logits (a repetition
+        penalty, banned words).
         """
         cfg = self.config
         block_size = block_size or cfg.block_size
@@ -616,6 +620,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             )
         hidden = self(self.embed(ids)[:, None], positions, mask, context_kv=context_kv, sliding_attention_mask=sliding)[:, 0, 1:]
         logits, vocab = self.unary_logits(hidden)
+        if logits_processor is not None:
+            logits = logits_processor(logits, vocab)
         return self.propose(hidden, logits, anchor_ids, temperature, generator, vocab)
 
     def propose(self, hidden, logits, anchor_ids, temperature=0.0, generator=None, vocab=None) -> DraftOutput:

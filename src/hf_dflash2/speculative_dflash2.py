@@ -275,13 +275,13 @@ def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
 def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
             temperature: float = 0.0, generator: torch.Generator | None = None, ngram_size: int = 0,
             history: torch.Tensor | None = None, length: torch.Tensor | None = None,
-            rank_nodes=None) -> tuple[Proposal | None, bool]:
+            rank_nodes=None, draft_logits_processor=None) -> tuple[Proposal | None, bool]:
     """One round's drafts after ``anchor`` / ``anchor_pos`` [N]: the head's draft pass if the policy wants
     it, n-gram matches against ``history`` [N, T] / ``length`` [N] if ``ngram_size``, each row from the
     source the policy prefers, and, for draft trees, the head's continuations ranked by ``rank_nodes``
     (``DraftOutput`` -> ``HeadNodes``) -> (proposal, or None for a plain step; whether the head drafted).
     With ``rank_nodes`` (a tree round) and a head draft, no per-row choice is made: the tree's plan
-    weighs the sources as they are."""
+    weighs the sources as they are. ``draft_logits_processor``: see ``DFlash2DraftModel.draft_block``."""
     vocab = drafter.bound_target.lm_head_weight.shape[0]
     ngram_tokens = ngram_sizes = None
     if ngram_size:
@@ -290,8 +290,9 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     draft = nodes = None
     if policy.wants_draft():
         with record_function("dflash2::draft"):
+            hook = {} if draft_logits_processor is None else {"logits_processor": draft_logits_processor}
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
-                                        temperature, generator, min(block_size, drafter.config.block_size))
+                                        temperature, generator, min(block_size, drafter.config.block_size), **hook)
             if rank_nodes is not None:
                 nodes = rank_nodes(draft)
         if draft.tokens.shape[1] < block_size - 1:  # the round is wider than the head's own block
