@@ -99,7 +99,7 @@ PROCESSED_SETTINGS = {
     "encoder_no_repeat_ngram_size": 0, "bad_words_ids": None, "sequence_bias": None, "min_length": 0,
     "min_new_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-    "remove_invalid_values": False,
+    "remove_invalid_values": False, "renormalize_logits": False,
 }
 # Sampling warpers that come after top-p in generate's order and read only the scores: applied batched,
 # after temperature / top-k / top-p (``_Sampler``).
@@ -180,7 +180,9 @@ class TargetLogitsProcessors:
                         scores = scores.new_full((1, full_vocab), float("-inf")).index_copy(1, vocab, scores)
                     scores = self.per_row[row](text, scores)
                     logits[r, position] = scores[0] if vocab is None else scores[0, vocab]
-            return logits
+            # A position the processors ban entirely (a draft vocabulary outside what they allow) must still
+            # rank candidates: banned tokens keep a finite floor, far below every allowed one.
+            return logits.clamp_min(max(torch.finfo(torch.float32).min, torch.finfo(logits.dtype).min) / 2)
 
         return process
 
@@ -415,9 +417,8 @@ class _Output:
         self.max_new_tokens, self.eos = max_new_tokens, eos
         self.offsets = torch.arange(block_size, device=device)
 
-    def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor, scores: torch.Tensor | None = None):
-        """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid (``scores``
-        [n, w, V]: the target's processed logits each was chosen from, for ``stopping_criteria``).
+    def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor):
+        """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid.
         Writes them up to EOS / budget / a stop -> (written [n], within [n, w] the valid slots, finished [n])."""
         offsets = self.offsets[: tokens.shape[1]]
         within = offsets[None] < commit[:, None]
@@ -432,7 +433,7 @@ class _Output:
         if self.stop_strings is not None:
             cuts.append(lambda written: self._stop_string_cut(rows, written, tokens.shape[1]))
         if self.stopping_criteria is not None:
-            cuts.append(lambda written: self._criteria_cut(rows, written, scores))
+            cuts.append(lambda written: self._criteria_cut(rows, written))
         for cut in cuts:  # each sees the text the one before left
             stop_cut, stops = cut(written)
             self.tokens[rows.index[:, None], at] = torch.where(offsets[None] < stop_cut[:, None],
@@ -442,18 +443,18 @@ class _Output:
         finished = is_eos.any(-1) | stopped | (self.count[rows.index] >= self.max_new_tokens)
         return written, within, finished
 
-    def _criteria_cut(self, rows: _Rows, written: torch.Tensor, scores: torch.Tensor | None):
+    def _criteria_cut(self, rows: _Rows, written: torch.Tensor):
         """The caller's ``stopping_criteria`` after each of this round's written tokens, called as ``generate``
-        calls them: on the row's whole text up to that token (the prompt as given) and the scores it was
-        chosen from; one row at a time, since rows hold different lengths -> (tokens to keep [n], stopped [n])."""
+        calls them: on the row's whole text up to that token (the prompt as given), with ``scores=None``
+        (``generate`` passes scores only with ``output_scores``, which the loop does not return); one row at a
+        time, since rows hold different lengths -> (tokens to keep [n], stopped [n])."""
         cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
         counts = self.count[rows.index].tolist()  # before this round's tokens
         for r, (row, count, n) in enumerate(zip(rows.index.tolist(), counts, written.tolist())):
             text = torch.cat([self.prompt_ids[row], self.tokens[row, : count + n]])[None]
             for slot in range(n):
                 length = self.prompt_length + count + slot + 1
-                slot_scores = None if scores is None else scores[r, slot][None]
-                if bool(self.stopping_criteria(text[:, :length], slot_scores).any()):
+                if bool(self.stopping_criteria(text[:, :length], None).any()):
                     cut[r], stopped[r] = slot + 1, True
                     break
         return cut, stopped
@@ -626,11 +627,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 observe_tree_round(policy, draft, tree, result)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
-            scores = None  # each committed token's logits, for a caller's stopping criteria
-            if output.stopping_criteria is not None:
-                scores = logits if tree is None else logits.gather(1, result.order[..., None].expand(
-                    -1, -1, logits.shape[-1]))
-            written, within, rows.finished = output.commit(rows, tokens, accepted + 1, scores)
+            written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
             if deadline is not None and time.monotonic() > deadline:
                 rows.finished = torch.ones_like(rows.finished)
@@ -689,7 +686,8 @@ def speculative_generate(
     lengths, ..., and a ``logits_processor`` list) run at every verified slot on that slot's own text
     (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
     every row after the round that passes it; a ``stopping_criteria`` list is called after every committed
-    token on the row's text up to it (one row at a time) and ends the row where it fires. Settings the
+    token on the row's text up to it (one row at a time, ``scores=None`` as ``generate`` without
+    ``output_scores``) and ends the row where it fires. Settings the
     loop does not apply (beams, guidance, top-h, ...) are refused by name where ``generate`` would apply
     them, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
@@ -729,7 +727,6 @@ def speculative_generate(
         from transformers.generation.stopping_criteria import StopStringCriteria
 
         stop_strings = StopStringCriteria(tokenizer, config.stop_strings)
-    deadline = time.monotonic() + config.max_time if config.max_time is not None else None
     do_sample, top_k, top_p = bool(config.do_sample), config.top_k, config.top_p
     temperature = 1.0 if config.temperature is None else config.temperature
     room = (target.config.get_text_config().max_position_embeddings or 1 << 30) - input_ids.shape[1] - max_new_tokens
@@ -758,17 +755,19 @@ def speculative_generate(
     processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor)
     processors = processors if processors.active else None
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
+    deadline = time.monotonic() + config.max_time if config.max_time is not None else None
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
     eos = _eos_tensor(config.eos_token_id, device)
+    criteria = StoppingCriteriaList(stopping_criteria) if stopping_criteria else None  # a plain list too
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
-                     stopping_criteria if stopping_criteria else None)
+                     criteria)
     if processors is not None:
         last_logits = processors.first(last_logits)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
-    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor), last_logits[:, None])
+    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())

@@ -6,6 +6,7 @@ Shipped with saved heads as remote code (sibling of ``modeling_dflash2.py``).
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -272,6 +273,13 @@ def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
     return Proposal(torch.cat([draft.tokens, filler], dim=1), confidence, torch.zeros_like(anchor), q_ids, q_probs)
 
 
+def takes_logits_processor(drafter) -> bool:
+    """Whether the head's ``draft_block`` takes a ``logits_processor`` (heads saved with remote code before
+    session 31 do not; they draft without it, and the output is the target's either way)."""
+    parameters = inspect.signature(drafter.draft_block).parameters.values()
+    return any(p.name == "logits_processor" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+
+
 def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Tensor, block_size: int,
             temperature: float = 0.0, generator: torch.Generator | None = None, ngram_size: int = 0,
             history: torch.Tensor | None = None, length: torch.Tensor | None = None,
@@ -290,7 +298,8 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     draft = nodes = None
     if policy.wants_draft():
         with record_function("dflash2::draft"):
-            hook = {} if draft_logits_processor is None else {"logits_processor": draft_logits_processor}
+            hook = {"logits_processor": draft_logits_processor} if draft_logits_processor is not None and \
+                takes_logits_processor(drafter) else {}
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
                                         temperature, generator, min(block_size, drafter.config.block_size), **hook)
             if rank_nodes is not None:
