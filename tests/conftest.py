@@ -93,6 +93,7 @@ SLOW_TESTS = {
     "test_push_then_load_from_the_hub_and_generate",
     "test_remote_code_loads_without_the_package_bit_exact",
     "test_sampling_with_processors_and_min_p_keeps_generates_law",
+    "test_sampled_tree_rounds_with_processors_keep_generates_law",
 }
 
 

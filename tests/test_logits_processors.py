@@ -165,11 +165,12 @@ def test_each_tree_slot_is_processed_on_its_own_branch():
                                  base + [13, 15]]
 
 
-def _law_under_generate(target, prompt, settings, tokens=2):
+def _law_under_generate(target, prompt, settings, tokens=2, logits_processor=None):
     """Exact law of the first ``tokens`` tokens under Transformers' own processors and warpers."""
     config = GenerationConfig(do_sample=True, **settings)
     target._prepare_special_tokens(config, kwargs_has_attention_mask=False, device="cpu")
-    processors = target._get_logits_processor(config, prompt.shape[1], encoder_input_ids=prompt, device="cpu")
+    processors = target._get_logits_processor(config, prompt.shape[1], encoder_input_ids=prompt, device="cpu",
+                                              logits_processor=logits_processor or LogitsProcessorList())
     vocab = target.config.vocab_size
     with torch.no_grad():
         law, prefixes = torch.ones(()), prompt
@@ -348,3 +349,34 @@ def test_stopping_criteria_may_be_a_plain_list(target):
                                stopping_criteria=[StopAfter(ids.shape[1], 300)])
     assert out.sequences[0, : int(out.num_generated[0]) + 4].tolist() == expected[0].tolist()
     assert int(out.num_generated[0]) < 30
+
+
+def test_sampled_tree_rounds_with_processors_keep_generates_law():
+    """20,000 sampled runs of three tokens through forced tree rounds (head nodes and the n-gram chain; the
+    prompt holds every token so n-grams match) with a processor that reads the generated text (the last
+    three tokens may not come again) and a repetition penalty: the laws of tokens (1, 2) and (2, 3) equal
+    ``generate``'s under its own processors (bound as the loop's tree law test)."""
+    target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
+    drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
+    prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
+    settings = dict(temperature=1.3, top_k=8, top_p=0.95, repetition_penalty=1.5)
+    ban = LogitsProcessorList([BanRecentTokens()])
+    exact = _law_under_generate(target, prompt, settings, tokens=3, logits_processor=ban)
+    without = _law_under_generate(target, prompt, {**settings, "repetition_penalty": 1.0}, tokens=3)
+    counts, generator, tree_rounds = torch.zeros(12, 12, 12), torch.Generator().manual_seed(5), 0
+    for _ in range(4):
+        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=3, do_sample=True,
+                                   generator=generator, verify_policy=ForcedTrees([(2, 3), (3, 0)]), block_size=8,
+                                   logits_processor=ban, **settings)
+        t = out.sequences[:, prompt.shape[1]: prompt.shape[1] + 3]
+        counts.index_put_(tuple(t.T), torch.ones(len(t)), accumulate=True)
+        tree_rounds += out.stats.tree_rounds
+    assert tree_rounds > 0
+    empirical = counts / counts.sum()
+
+    def pair_tvs(law):
+        return [0.5 * float((empirical.sum(2) - law.sum(2)).abs().sum()),
+                0.5 * float((empirical.sum(0) - law.sum(0)).abs().sum())]
+
+    assert max(pair_tvs(without)) > 0.1  # the processors move the law far more than the bound
+    assert max(pair_tvs(exact)) < 0.05, pair_tvs(exact)
