@@ -687,9 +687,8 @@ def speculative_generate(
     (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
     every row after the round that passes it; a ``stopping_criteria`` list is called after every committed
     token on the row's text up to it (one row at a time, ``scores=None`` as ``generate`` without
-    ``output_scores``) and ends the row where it fires. Settings the
-    loop does not apply (beams, guidance, top-h, ...) are refused by name where ``generate`` would apply
-    them, before the prefill.
+    ``output_scores``) and ends the row where it fires. Settings the loop does not apply (beams, guidance,
+    top-h, ...) are refused by name where ``generate`` would apply them, before the prefill.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
