@@ -380,3 +380,19 @@ def test_sampled_tree_rounds_with_processors_keep_generates_law():
 
     assert max(pair_tvs(without)) > 0.1  # the processors move the law far more than the bound
     assert max(pair_tvs(exact)) < 0.05, pair_tvs(exact)
+
+
+def test_the_transformers_path_stops_where_generate_stops(target):
+    """Transformers checks stopping criteria once per assisted step; greedy, the generator cuts each draft
+    before the token where generate's criteria would fire (read from ``_assisted_decoding``), so a
+    caller's criterion ends the text where plain ``generate`` ends it (it ran 2 tokens on before)."""
+    ids = torch.tensor([PROMPTS[0]])
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None)
+    drafter = _oracle(target, target.generate(ids, **common), ids, torch.ones_like(ids))
+    drafter.adaptive_verify = False
+    expected = target.generate(ids, stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1], 600)]), **common)
+    assert ids.shape[1] < expected.shape[1] < ids.shape[1] + 30
+    out = target.generate(ids, assistant_model=drafter,
+                          stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1], 600)]), **common)
+    assert torch.equal(out, expected)
+    assert drafter.last_speculative_stats.accepted > 3

@@ -13,6 +13,7 @@ Shipped with saved heads as remote code (sibling of ``modeling_dflash2.py``).
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 from typing import Any
 
@@ -56,7 +57,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
     requires_model_outputs = True
 
-    def __init__(self, drafter, target, generation_config, logits_processor=None, tokenizer=None):
+    def __init__(self, drafter, target, generation_config, logits_processor=None, tokenizer=None,
+                 stopping_criteria=None):
         self.drafter = drafter
         self.target = target
         self.layer_ids = drafter.config.target_layer_ids
@@ -82,12 +84,16 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
             reproducible=self.do_sample,
         )
-        # Transformers checks stopping criteria once per assisted step, on the sequence's end, so a stop string
-        # completed before a step's last new token goes unseen and the text runs on past it. Greedy, we cut
-        # each draft before the token that would complete one: the stop can then only fall on a step's last
-        # token. Sampling cannot cut on the drafted tokens' values without changing the law.
-        self.stop_strings = None
-        if generation_config.stop_strings and tokenizer is not None:
+        # Transformers checks stopping criteria once per assisted step, on the sequence's end, so a stop
+        # (a stop string, a caller's criterion) reached before a step's last new token goes unseen and the
+        # text runs on past it. Greedy, we cut each draft before the token where generate's criteria would
+        # fire: the stop can then only fall on a step's last token. Sampling cannot cut on the drafted
+        # tokens' values without changing the law. Where generate's criteria do not reach us (a Transformers
+        # that builds the generator elsewhere), stop strings alone are rebuilt from the tokenizer.
+        self.stop_criteria = None
+        if stopping_criteria is not None and not self.do_sample:
+            self.stop_criteria = stopping_criteria
+        elif generation_config.stop_strings and tokenizer is not None:
             if self.do_sample:
                 warnings.warn("with a dFlash 2 assistant and do_sample=True, Transformers checks stop_strings once "
                               "per assisted step, so a text may run past one; hf_dflash2.speculative_generate "
@@ -95,7 +101,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             else:
                 from transformers.generation.stopping_criteria import StopStringCriteria
 
-                self.stop_strings = StopStringCriteria(tokenizer, generation_config.stop_strings)
+                self.stop_criteria = StopStringCriteria(tokenizer, generation_config.stop_strings)
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
         self.draft, self.verified_last = None, 0
@@ -143,8 +149,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         # Capped before the policy hears it: it times each round against the verify it was told of.
         length = min(int(self.policy.choose(draft.confidence, draft.source, head_drafted)), room, self.max_drafts)
         tokens = draft.tokens[:, :length].to(input_ids.device)
-        if self.stop_strings is not None:
-            length = self._before_stop_string(torch.cat([input_ids, tokens], dim=1), cur_len, length)
+        if self.stop_criteria is not None:
+            length = self._before_stop(torch.cat([input_ids, tokens], dim=1), cur_len, length)
             tokens = tokens[:, :length]
         self.policy.chosen(length, bool(draft.uses_head))
         if length == 0:
@@ -157,11 +163,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             candidate_logits = q.log().to(input_ids.device)
         return torch.cat([input_ids, tokens], dim=1), candidate_logits
 
-    def _before_stop_string(self, sequence: torch.Tensor, cur_len: int, length: int) -> int:
+    def _before_stop(self, sequence: torch.Tensor, cur_len: int, length: int) -> int:
         """How many of the ``length`` drafts at the end of ``sequence`` [1, cur_len + length] come before the
-        first one that completes a stop string."""
+        first one after which a stopping criterion fires (a stop string completes)."""
         for index in range(length):
-            if bool(self.stop_strings(sequence[:, : cur_len + index + 1], None)[0]):
+            if bool(self.stop_criteria(sequence[:, : cur_len + index + 1], None)[0]):
                 return index
         return length
 
@@ -174,7 +180,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
 
 
 def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None,
-                            tokenizer=None):
+                            tokenizer=None, stopping_criteria=None):
     """Validate and build the generator (called from the hook before any target forward)."""
     if input_ids is not None and input_ids.shape[0] != 1:
         raise ValueError(
@@ -191,7 +197,7 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
         raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
     check_ngram_size(getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE), "drafter.ngram_size")
     drafter.bind_target(target)
-    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor, tokenizer)
+    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor, tokenizer, stopping_criteria)
 
 
 SUPPORTED_TRANSFORMERS = "transformers>=5.20,<6"
@@ -211,6 +217,18 @@ def check_hooked_signature(method) -> None:
             f"Install a supported version (pip install '{SUPPORTED_TRANSFORMERS}') or use "
             "hf_dflash2.speculative_generate, which does not go through generate()."
         )
+
+
+def _callers_stopping_criteria():
+    """generate's prepared stopping criteria, read from ``_assisted_decoding``, which builds the candidate
+    generator and holds them (Transformers passes them to no candidate generator); None elsewhere."""
+    from transformers import StoppingCriteriaList
+
+    frame = sys._getframe(2)  # the wrapper's caller
+    if frame.f_code.co_name != "_assisted_decoding":
+        return None
+    criteria = frame.f_locals.get("stopping_criteria")
+    return criteria if isinstance(criteria, StoppingCriteriaList) else None
 
 
 def install_generate_hook() -> None:
@@ -233,8 +251,12 @@ def install_generate_hook() -> None:
         if factory is not None and not other_mode:
             extra = {}
             tokenizer = kwargs.get("target_tokenizer", args[0] if args else None)
-            if tokenizer is not None and "tokenizer" in inspect.signature(factory).parameters:
+            accepted = inspect.signature(factory).parameters
+            if tokenizer is not None and "tokenizer" in accepted:
                 extra["tokenizer"] = tokenizer  # heads saved before session 30 take no tokenizer
+            criteria = _callers_stopping_criteria()
+            if criteria is not None and "stopping_criteria" in accepted:
+                extra["stopping_criteria"] = criteria  # nor, before session 31, the criteria
             return factory(
                 target=self,
                 generation_config=generation_config,

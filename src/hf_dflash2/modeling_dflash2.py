@@ -653,10 +653,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         return DraftOutput(tokens, tokens[..., None], ones, logits, hidden, confidence)
 
     def get_candidate_generator(self, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None,
-                                tokenizer=None):
+                                tokenizer=None, stopping_criteria=None):
         """Called by ``target.generate(assistant_model=self)`` (see ``candidate_generator_dflash2``)."""
         return candidate_generator_for(self, target, generation_config, logits_processor, model_kwargs, input_ids,
-                                       tokenizer)
+                                       tokenizer, stopping_criteria)
 
     # ------------------------------------------------------------------ saving
     @classmethod
