@@ -92,7 +92,15 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         # that builds the generator elsewhere), stop strings alone are rebuilt from the tokenizer.
         self.stop_criteria = None
         if stopping_criteria is not None and not self.do_sample:
-            self.stop_criteria = stopping_criteria
+            from transformers.generation.stopping_criteria import (
+                EosTokenCriteria,
+                MaxLengthCriteria,
+                StoppingCriteriaList,
+            )
+
+            # Transformers crops each step at EOS and at the length itself; the rest it does not.
+            others = [c for c in stopping_criteria if not isinstance(c, (EosTokenCriteria, MaxLengthCriteria))]
+            self.stop_criteria = StoppingCriteriaList(others) if others else None
         elif generation_config.stop_strings and tokenizer is not None:
             if self.do_sample:
                 warnings.warn("with a dFlash 2 assistant and do_sample=True, Transformers checks stop_strings once "
