@@ -17,15 +17,9 @@ from hf_dflash2.cost_model_dflash2 import CostModel
 from .conftest import tiny_drafter, tiny_target
 from .test_draft_tree import ForcedTrees
 from .test_fuzz_identity import VOCAB, NoisyOracleDrafter
+from .test_ngram import _left_padded
 
 PROMPTS = [[5, 6, 7, 5, 6], [9, 10, 11], [3]]
-
-
-def _left_padded(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +147,11 @@ def test_each_tree_slot_is_processed_on_its_own_branch():
         tiny_target(vocab_size=16), GenerationConfig(), prompt, torch.tensor([[0, 1, 1]]), 8,
         LogitsProcessorList([recorder]))
 
-    class Output:
-        count = torch.tensor([2])
-        tokens = torch.tensor([committed_row + [0] * 6])
-
     rows = generation._Rows(torch.tensor([0]), torch.tensor([8]), torch.tensor([4]), torch.tensor([False]))
+    output = generation._Output(prompt, torch.tensor([[0, 1, 1]]), 8, 6, 0, torch.empty(0, dtype=torch.long))
+    output.commit(rows, torch.tensor([committed_row]), torch.tensor([2]))
     ids = torch.cat([torch.tensor([[8]]), tokens], dim=1)
-    processors.round(Output, rows, ids, torch.zeros(1, 6, 16), tree)
+    processors.round(output, rows, ids, torch.zeros(1, 6, 16), tree)
     base = [0, 3, 4, 7, 8]  # the prompt as given (padding too) and the committed tokens, ending in the anchor
     assert recorder.prefixes == [base, base + [11], base + [11, 12], base + [13], base + [11, 12, 14],
                                  base + [13, 15]]

@@ -64,7 +64,7 @@ def _left_padded(prompts):
     width = max(len(p) for p in prompts)
     ids, mask = torch.zeros(len(prompts), width, dtype=torch.long), torch.zeros(len(prompts), width, dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+        ids[row, width - len(p):], mask[row, width - len(p):] = torch.as_tensor(p), 1
     return ids, mask
 
 

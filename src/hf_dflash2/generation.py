@@ -56,6 +56,7 @@ from .speculative_dflash2 import (
     process_logits,
     propose,
     round_block_size,
+    takes_logits_processor,
     tapped_features,
 )
 
@@ -143,7 +144,6 @@ class TargetLogitsProcessors:
         plain.max_length = input_ids.shape[1] + max_new_tokens  # where forced_eos_token_id counts to
         device = input_ids.device
         target._prepare_special_tokens(plain, kwargs_has_attention_mask=True, device=device)
-        self.prompt_ids = input_ids
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
         def for_row(i: int) -> LogitsProcessorList:
@@ -157,9 +157,9 @@ class TargetLogitsProcessors:
         self.active = len(first) > 0  # the same settings give every row the same processors, or none
         self.per_row = [first, *(for_row(i) for i in range(1, input_ids.shape[0]))] if self.active else []
 
-    def first(self, logits: torch.Tensor) -> torch.Tensor:
+    def first(self, output: "_Output", logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] after the prompts -> processed."""
-        return torch.cat([processors(self.prompt_ids[i : i + 1], logits[i : i + 1])
+        return torch.cat([processors(output.text(i, 0)[None], logits[i : i + 1])
                           for i, processors in enumerate(self.per_row)])
 
     def for_drafts(self, output: "_Output", rows: "_Rows"):
@@ -173,7 +173,7 @@ class TargetLogitsProcessors:
             full_vocab = self.vocab_size
             counts = output.count[rows.index].tolist()
             for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):
-                text = torch.cat([self.prompt_ids[row], output.tokens[row, :count]])[None]
+                text = output.text(row, count)[None]
                 for position in range(logits.shape[1]):
                     scores = logits[r, position : position + 1]
                     if vocab is not None:  # a draft vocabulary: out-of-vocabulary tokens cannot be drafted
@@ -193,7 +193,7 @@ class TargetLogitsProcessors:
         logits = logits.clone()
         counts = output.count[rows.index].tolist()  # the committed tokens end with the anchor
         for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):
-            committed = torch.cat([self.prompt_ids[row], output.tokens[row, :count]])
+            committed = output.text(row, count)
             for slot in range(ids.shape[1]):
                 if tree is None:
                     path = ids[r, 1 : slot + 1]
@@ -417,6 +417,11 @@ class _Output:
         self.max_new_tokens, self.eos = max_new_tokens, eos
         self.offsets = torch.arange(block_size, device=device)
 
+    def text(self, row: int, generated: int) -> torch.Tensor:
+        """[P + generated]: output row ``row``'s prompt as given (padding included) and its first ``generated``
+        tokens, the text ``generate`` holds there (what processors and stopping criteria read)."""
+        return torch.cat([self.prompt_ids[row], self.tokens[row, :generated]])
+
     def commit(self, rows: _Rows, tokens: torch.Tensor, commit: torch.Tensor):
         """tokens: [n, w] this round's target tokens, of which the first ``commit`` [n] are valid.
         Writes them up to EOS / budget / a stop -> (written [n], within [n, w] the valid slots, finished [n])."""
@@ -451,7 +456,7 @@ class _Output:
         cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
         counts = self.count[rows.index].tolist()  # before this round's tokens
         for r, (row, count, n) in enumerate(zip(rows.index.tolist(), counts, written.tolist())):
-            text = torch.cat([self.prompt_ids[row], self.tokens[row, : count + n]])[None]
+            text = self.text(row, count + n)[None]
             for slot in range(n):
                 length = self.prompt_length + count + slot + 1
                 if bool(self.stopping_criteria(text[:, :length], None).any()):
@@ -542,13 +547,14 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
     # with trees the head's q never meets the target (tree nodes and n-gram chains are fixed drafts)
     draft_temperature = 0.0 if trees else sampler.draft_temperature
     vocab = drafter.bound_target.lm_head_weight.shape[0]
+    draft_hook = processors is not None and takes_logits_processor(drafter)
     while True:
         history = length = None
         if ngram_size:
             history, length = output.history[rows.index], output.prompt_length + output.count[rows.index]
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       draft_temperature, sampler.generator, ngram_size, history, length,
-                                      rank_nodes, None if processors is None else processors.for_drafts(output, rows))
+                                      rank_nodes, processors.for_drafts(output, rows) if draft_hook else None)
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
@@ -762,7 +768,7 @@ def speculative_generate(
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
                      criteria)
     if processors is not None:
-        last_logits = processors.first(last_logits)
+        last_logits = processors.first(output, last_logits)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)

@@ -289,7 +289,8 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     source the policy prefers, and, for draft trees, the head's continuations ranked by ``rank_nodes``
     (``DraftOutput`` -> ``HeadNodes``) -> (proposal, or None for a plain step; whether the head drafted).
     With ``rank_nodes`` (a tree round) and a head draft, no per-row choice is made: the tree's plan
-    weighs the sources as they are. ``draft_logits_processor``: see ``DFlash2DraftModel.draft_block``."""
+    weighs the sources as they are. ``draft_logits_processor``: see ``DFlash2DraftModel.draft_block`` (pass
+    one only to a head that takes it, ``takes_logits_processor``)."""
     vocab = drafter.bound_target.lm_head_weight.shape[0]
     ngram_tokens = ngram_sizes = None
     if ngram_size:
@@ -298,8 +299,7 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     draft = nodes = None
     if policy.wants_draft():
         with record_function("dflash2::draft"):
-            hook = {"logits_processor": draft_logits_processor} if draft_logits_processor is not None and \
-                takes_logits_processor(drafter) else {}
+            hook = {} if draft_logits_processor is None else {"logits_processor": draft_logits_processor}
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
                                         temperature, generator, min(block_size, drafter.config.block_size), **hook)
             if rank_nodes is not None:
