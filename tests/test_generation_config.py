@@ -125,8 +125,11 @@ def test_settings_the_loop_does_not_apply_are_refused_by_name_before_any_forward
     with pytest.raises(ValueError, match=r"penalty_alpha=0.6 \(from generation_config\)"):
         speculative_generate(target, drafter, IDS, generation_config=GenerationConfig(penalty_alpha=0.6, top_k=4),
                              num_beams=1)
-    with pytest.raises(ValueError, match=r"return_dict_in_generate=True \(from the call\)"):
-        speculative_generate(target, drafter, IDS, num_beams=1, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=r"output_hidden_states=True \(from the call\)"):
+        speculative_generate(target, drafter, IDS, num_beams=1, return_dict_in_generate=True,
+                             output_hidden_states=True)
+    with pytest.raises(ValueError, match=r"num_return_sequences.*\(got 2\)"):
+        speculative_generate(target, drafter, IDS, num_beams=1, num_return_sequences=2)
     with pytest.raises(ValueError, match=r"unknown generation options \['not_an_option'\]"):
         speculative_generate(target, drafter, IDS, not_an_option=3)
     with pytest.raises(ValueError, match="generation_config must be a transformers.GenerationConfig, got dict"):

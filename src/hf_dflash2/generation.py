@@ -64,11 +64,20 @@ from .speculative_dflash2 import (
 @dataclass
 class SpeculativeOutput:
     """sequences: [N, prompt + generated] (prompt as given, right-padded with ``pad_token_id`` after
-    each row's end); num_generated: [N]; stats: acceptance statistics over all rows and rounds."""
+    each row's end); num_generated: [N]; stats: acceptance statistics over all rows and rounds.
+
+    With ``return_dict_in_generate`` and ``output_scores`` / ``output_logits``, as ``generate``'s output:
+    ``scores`` / ``logits``, one [N, V] float tensor per generated column (``sequences.shape[1] - P`` of
+    them). ``logits[t][i]`` holds the target's raw logits that chose row i's token t, and ``scores[t][i]`` the
+    same after the logits processors (and, when sampling, the warpers), so ``target.compute_transition_scores``
+    works on them. Columns past a row's end are zeros (``generate`` would hold the logits of the padding it
+    kept feeding a finished row)."""
 
     sequences: torch.Tensor
     num_generated: torch.Tensor
     stats: SpeculativeStats
+    scores: tuple[torch.Tensor, ...] | None = None
+    logits: tuple[torch.Tensor, ...] | None = None
 
 
 # When neither the call, its generation config nor the target's sets a length (Transformers would stop at
@@ -86,11 +95,20 @@ TRANSFORMERS_SAMPLING_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k
 # than silently decoding another law; ``generate(assistant_model=drafter)`` applies every logits processor,
 # since Transformers verifies there. Those in SAMPLING_ONLY act only when sampling, as in ``generate``.
 UNSUPPORTED_GENERATION_SETTINGS = {
-    "num_beams": 1, "num_beam_groups": 1, "num_return_sequences": 1, "penalty_alpha": None,
-    "guidance_scale": None, "watermarking_config": None, "dola_layers": None, "return_dict_in_generate": False,
-    "top_h": None,
+    "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "guidance_scale": None,
+    "watermarking_config": None, "dola_layers": None, "top_h": None, "output_attentions": False,
+    "output_hidden_states": False,
 }
 SAMPLING_ONLY = ("top_h",)
+# What generate returns these only with return_dict_in_generate (the target's per-token attentions and hidden
+# states; a verify forward holds them for drafts that were rejected too, and the cache has holes at batch > 1).
+DICT_ONLY = ("output_attentions", "output_hidden_states")
+
+# What the call returns, and how many samples per prompt (``num_return_sequences``: rows repeated, as generate
+# expands them; sampling only, as generate). ``SpeculativeOutput.scores`` / ``.logits`` with
+# return_dict_in_generate: the values that chose each generated token, as generate's (``_TokenScores``).
+RETURN_SETTINGS = {"num_return_sequences": 1, "return_dict_in_generate": False, "output_scores": False,
+                   "output_logits": False}
 
 # Settings ``generate`` applies through logits processors that read the text so far. The fast loop runs
 # Transformers' own processors at every verified slot on that slot's prefix (``TargetLogitsProcessors``);
@@ -109,7 +127,7 @@ TAIL_WARPERS = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cut
 # Plain greedy decoding whatever the target's generation_config asks (sampling, a repetition penalty):
 # what the trainer's evaluation and held-out tau measure a head on.
 PLAIN_GREEDY = {"do_sample": False, "max_time": None, **UNSUPPORTED_GENERATION_SETTINGS, **PROCESSED_SETTINGS,
-                **TAIL_WARPERS}
+                **TAIL_WARPERS, **RETURN_SETTINGS}
 
 
 def _acts(name: str, value, config: GenerationConfig) -> bool:
@@ -118,6 +136,8 @@ def _acts(name: str, value, config: GenerationConfig) -> bool:
     if value is None or value == off or (off is None and not value):
         return False
     if name in SAMPLING_ONLY and not config.do_sample:
+        return False
+    if name in DICT_ONLY and not config.return_dict_in_generate:
         return False
     if name == "guidance_scale":
         return value != 1
@@ -335,16 +355,22 @@ class _Sampler:
         self.draft_temperature = temperature if do_sample else 0.0
         self.tail_warpers = tail_warpers(config, device) if do_sample and config is not None else []
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """[..., V] logits -> the target's sampling distribution under temperature / top-k / top-p (and
-        min-p / typical / epsilon / eta after them, in generate's order)."""
+    def warp(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] processed logits -> the scores ``generate`` samples from: temperature / top-k / top-p, then
+        min-p / typical / epsilon / eta, in generate's order (unchanged when greedy)."""
+        if not self.do_sample:
+            return logits
         logits = process_logits(logits, self.temperature, self.top_k, self.top_p)
         if self.tail_warpers:
             flat = logits.reshape(-1, logits.shape[-1])
             for warper in self.tail_warpers:  # they read the scores only
                 flat = warper(None, flat)
             logits = flat.reshape(logits.shape)
-        return logits.softmax(-1)
+        return logits
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits -> the target's sampling distribution (``warp``, then softmax)."""
+        return self.warp(logits).softmax(-1)
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N]"""
@@ -486,6 +512,37 @@ class _Output:
         return cut, stopped
 
 
+class _TokenScores:
+    """``output_scores`` / ``output_logits``: per output row and generated token, the logits that chose it.
+
+    Buffers [N, max_new_tokens, V] (float32), allocated only when asked: a round writes, for each row, the
+    slots on the path it committed (linear rounds: slots 0..written-1; tree rounds: the path's slots in
+    depth order), so a token's entry is the target's logits after exactly the text ``generate`` holds
+    before it (processed on that text, ``TargetLogitsProcessors``). One host read per round."""
+
+    def __init__(self, n_rows: int, max_new_tokens: int, vocab_size: int, device, scores: bool, logits: bool):
+        def buffer(wanted: bool):
+            return torch.zeros(n_rows, max_new_tokens, vocab_size, device=device) if wanted else None
+
+        self.scores, self.logits = buffer(scores), buffer(logits)
+
+    def record(self, rows: "_Rows", start: torch.Tensor, written: torch.Tensor, logits: torch.Tensor,
+               scores: torch.Tensor) -> None:
+        """start, written: [n] each row's count before the round and tokens it wrote; logits, scores:
+        [n, w, V] raw and processed, slot j the one that chose the round's token j."""
+        for r, (row, begin, n) in enumerate(zip(rows.index.tolist(), start.tolist(), written.tolist())):
+            for buffer, values in ((self.logits, logits), (self.scores, scores)):
+                if buffer is not None:
+                    buffer[row, begin : begin + n] = values[r, :n]
+
+    def columns(self, width: int) -> tuple[tuple | None, tuple | None]:
+        """(scores, logits) as generate returns them: one [N, V] tensor per generated column."""
+        def split(buffer):
+            return None if buffer is None else tuple(buffer[:, t] for t in range(width))
+
+        return split(self.scores), split(self.logits)
+
+
 def prefill(target, drafter, input_ids, attention_mask, capacity: int):
     """One target forward over the prompts: fills its KV cache and the drafter's context.
 
@@ -532,13 +589,15 @@ def observe_tree_round(policy: VerifyPolicy, draft: Proposal, tree: DraftTree, r
 def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Rows, output: _Output,
                        policy: VerifyPolicy, sampler: _Sampler, stats: SpeculativeStats, block_size: int,
                        streamer=None, ngram_size: int = 0, trees: bool = False,
-                       processors: TargetLogitsProcessors | None = None, deadline: float | None = None) -> None:
+                       processors: TargetLogitsProcessors | None = None, deadline: float | None = None,
+                       token_scores: _TokenScores | None = None) -> None:
     """Rounds of draft -> host read -> verify -> accept until every row has finished. With ``trees``, a
     round where the head drafted may verify a tree: its likeliest continuations and the n-gram's chain
     (``draft_tree``), as the policy plans. Tree nodes are fixed drafts (the head drafts greedily), so the
     target's token at every slot is its argmax or, when sampling, a draw (``_Sampler.pick_per_slot``).
     ``processors`` process the verified logits slot by slot first; past ``deadline`` (``time.monotonic``)
-    every row stops after its round, as ``max_time`` stops ``generate``."""
+    every row stops after its round, as ``max_time`` stops ``generate``; ``token_scores`` records the logits
+    that chose each committed token."""
     layer_ids, offsets = drafter.config.target_layer_ids, output.offsets
     unused_tail = torch.zeros((), dtype=torch.long, device=rows.anchor.device)
     no = torch.zeros((), dtype=torch.bool, device=rows.anchor.device)
@@ -610,8 +669,10 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             with record_function("dflash2::verify"):
                 logits, features = verify(target, layer_ids, cache, context, ids, positions)
             with record_function("dflash2::accept"):
+                raw_path = logits
                 if processors is not None:
                     logits = processors.round(output, rows, ids, logits)
+                processed_path = logits
                 accepted, tokens = sampler.accept(drafts, draft, logits)
                 source = None if draft is None else draft.source
                 policy.observe(None if draft is None else draft.confidence, k, accepted, source)
@@ -622,18 +683,24 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 logits, features = verify(target, layer_ids, cache, context, ids,
                                           rows.anchor_pos[:, None] + tree.depth, tree)
             with record_function("dflash2::accept"):
+                raw = logits
                 if processors is not None:
                     logits = processors.round(output, rows, ids, logits, tree)
                 result = accept_tree(tree, sampler.pick_per_slot(logits, tree.depth))
                 # as if the path was verified alone: the features now, the cache after the next host read
                 features = gather_path(features, result.order)
+                if token_scores is not None:
+                    raw_path, processed_path = gather_path(raw, result.order), gather_path(logits, result.order)
                 path_order, path_moves = result.order, path_out_of_place(result.order, result.accepted)
                 positions = rows.anchor_pos[:, None] + offsets[: k + 1]
                 accepted, tokens = result.accepted, result.tokens
                 observe_tree_round(policy, draft, tree, result)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
+            start = output.count[rows.index] if token_scores is not None else None  # commit advances counts
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
+            if token_scores is not None:
+                token_scores.record(rows, start, written, raw_path, sampler.warp(processed_path))
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
             if deadline is not None and time.monotonic() > deadline:
                 rows.finished = torch.ones_like(rows.finished)
@@ -695,6 +762,9 @@ def speculative_generate(
     token on the row's text up to it (one row at a time, ``scores=None`` as ``generate`` without
     ``output_scores``) and ends the row where it fires. Settings the loop does not apply (beams, guidance,
     top-h, ...) are refused by name where ``generate`` would apply them, before the prefill.
+    ``return_dict_in_generate`` with ``output_scores`` / ``output_logits`` fills the output's ``scores`` /
+    ``logits`` as ``generate``'s (``SpeculativeOutput``); ``num_return_sequences`` (sampling) repeats each
+    prompt's row, as ``generate`` expands them.
     ``streamer`` (batch 1; a Transformers ``TextStreamer`` or anything with ``put``/``end``) receives the
     prompt, then each round's committed tokens - one extra host read per round, only when streaming.
     ``adaptive`` (default) verifies, each round, the number of drafts that maximises expected tokens per
@@ -741,6 +811,13 @@ def speculative_generate(
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+    copies = config.num_return_sequences if config.num_return_sequences is not None else 1
+    if not isinstance(copies, int) or copies < 1:
+        raise ValueError(f"num_return_sequences must be a positive integer, got {copies!r}")
+    if copies > 1:  # greedy is refused by GenerationConfig's validation, as in generate
+        input_ids = input_ids.repeat_interleave(copies, dim=0)
+        if attention_mask is not None:
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
     n_rows = input_ids.shape[0]
     if streamer is not None and n_rows != 1:
         raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
@@ -750,8 +827,11 @@ def speculative_generate(
     if isinstance(pad_token_id, list):
         pad_token_id = pad_token_id[0]
     stats = SpeculativeStats(block_size)
+    returned = bool(config.return_dict_in_generate)
+    want_scores, want_logits = returned and bool(config.output_scores), returned and bool(config.output_logits)
     if max_new_tokens == 0:
-        return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats)
+        return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats,
+                                 () if want_scores else None, () if want_logits else None)
     policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
                                reproducible=do_sample)
 
@@ -760,6 +840,10 @@ def speculative_generate(
     processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor)
     processors = processors if processors.active else None
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
+    token_scores = None
+    if want_scores or want_logits:
+        token_scores = _TokenScores(n_rows, max_new_tokens, target.get_output_embeddings().weight.shape[0], device,
+                                    want_scores, want_logits)
     deadline = time.monotonic() + config.max_time if config.max_time is not None else None
     cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
                                           input_ids.shape[1] + max_new_tokens + 2 * block_size)
@@ -767,19 +851,25 @@ def speculative_generate(
     criteria = StoppingCriteriaList(stopping_criteria) if stopping_criteria else None  # a plain list too
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
                      criteria)
+    raw_logits = last_logits
     if processors is not None:
         last_logits = processors.first(output, last_logits)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
-    _, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
+    written, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
+    if token_scores is not None:
+        token_scores.record(rows, torch.zeros_like(written), written, raw_logits[:, None],
+                            sampler.warp(last_logits)[:, None])
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
     trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
     speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
-                       ngram_size, trees, processors, deadline)
+                       ngram_size, trees, processors, deadline, token_scores)
     if streamer is not None:
         streamer.end()
     width = int(output.count.max())
-    return SpeculativeOutput(torch.cat([input_ids, output.tokens[:, :width]], dim=1), output.count, stats)
+    scores, logits = token_scores.columns(width) if token_scores is not None else (None, None)
+    return SpeculativeOutput(torch.cat([input_ids, output.tokens[:, :width]], dim=1), output.count, stats,
+                             scores, logits)
