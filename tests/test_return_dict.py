@@ -112,3 +112,14 @@ def test_what_is_not_returned_is_refused_or_empty(target):
     out = speculative_generate(target, drafter, ids, max_new_tokens=3, return_dict_in_generate=True,
                                output_logits=True)
     assert out.scores is None and len(out.logits) == 3
+
+
+def test_the_output_reads_like_generates(target):
+    """A ``ModelOutput``, as ``generate``'s dict output: by key or attribute, unset fields left out."""
+    drafter = tiny_drafter(target).to(torch.float64)
+    out = speculative_generate(target, drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=3, **RETURN)
+    assert out["sequences"] is out.sequences and out["scores"] is out.scores
+    assert list(out.keys()) == ["sequences", "num_generated", "stats", "scores", "logits"]
+    plain = speculative_generate(target, drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=3)
+    assert "scores" not in plain and plain.scores is None
+    assert torch.equal(plain.sequences, out.sequences)

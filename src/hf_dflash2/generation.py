@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.utils import ModelOutput
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
@@ -62,9 +63,10 @@ from .speculative_dflash2 import (
 
 
 @dataclass
-class SpeculativeOutput:
+class SpeculativeOutput(ModelOutput):
     """sequences: [N, prompt + generated] (prompt as given, right-padded with ``pad_token_id`` after
-    each row's end); num_generated: [N]; stats: acceptance statistics over all rows and rounds.
+    each row's end); num_generated: [N]; stats: acceptance statistics over all rows and rounds. A
+    ``ModelOutput``, as ``generate``'s: fields by attribute or key (``out["sequences"]``), unset ones left out.
 
     With ``return_dict_in_generate`` and ``output_scores`` / ``output_logits``, as ``generate``'s output:
     ``scores`` / ``logits``, one [N, V] float tensor per generated column (``sequences.shape[1] - P`` of
@@ -73,9 +75,9 @@ class SpeculativeOutput:
     works on them. Columns past a row's end are zeros (``generate`` would hold the logits of the padding it
     kept feeding a finished row)."""
 
-    sequences: torch.Tensor
-    num_generated: torch.Tensor
-    stats: SpeculativeStats
+    sequences: torch.Tensor | None = None
+    num_generated: torch.Tensor | None = None
+    stats: SpeculativeStats | None = None
     scores: tuple[torch.Tensor, ...] | None = None
     logits: tuple[torch.Tensor, ...] | None = None
 
