@@ -18,7 +18,8 @@ GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
 def cpu_kind() -> str:
-    """A short name for this CPU's fastest bf16 path, for result file names: "amx", "avx512bf16" or "avx2"
+    """A short name for this CPU's fastest bf16 path, for result file names: "amx", "avx512bf16" (AMD:
+    "avx512bf16_zen4" / "_zen5") or "avx2"
     (this project's machines change kind between sessions, and results of one kind must not overwrite
     another's)."""
     try:
@@ -26,7 +27,12 @@ def cpu_kind() -> str:
     except OSError:
         return platform.machine()
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+    kind = "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+    if kind == "avx512bf16":  # AMD Zen 4 (family 25) and Zen 5 (26) share the flags, not the speed
+        family = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cpu family")),
+                      "")
+        kind += {"25": "_zen4", "26": "_zen5"}.get(family, "")
+    return kind
 
 
 def machine() -> dict:
