@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria
 from transformers.generation.logits_process import (
+    LogitNormalization,
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -66,13 +68,14 @@ def test_scores_and_logits_are_generates_token_by_token(target, rounds):
     torch.testing.assert_close(transition[running], expected[running], rtol=1e-4, atol=1e-4)
 
 
-def test_sampled_scores_are_the_warped_logits_of_the_text_so_far(target):
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_sampled_scores_are_the_warped_logits_of_the_text_so_far(target, renormalize):
     """Sampling with ``num_return_sequences=3`` from two prompts, forced tree rounds, a repetition penalty,
-    temperature, top-k and min-p: rows come three per prompt, in generate's order; each token's ``logits``
-    are a fresh target forward on the text before it, and its ``scores`` are generate's processors and
-    warpers applied to them on that text."""
+    temperature, top-k and min-p (and ``renormalize_logits``, which generate applies after the warpers):
+    rows come three per prompt, in generate's order; each token's ``logits`` are a fresh target forward on
+    the text before it, and its ``scores`` are generate's processors and warpers applied to them on that text."""
     prompts = torch.tensor([[20, 21, 22, 23, 20, 21], [5, 6, 7, 5, 6, 7]])
-    settings = dict(temperature=1.5, top_k=12, min_p=0.05, repetition_penalty=1.3)
+    settings = dict(temperature=1.5, top_k=12, min_p=0.05, repetition_penalty=1.3, renormalize_logits=renormalize)
     drafter = tiny_drafter(target, block_size=5).to(torch.float64)
     out = speculative_generate(target, drafter, prompts, max_new_tokens=12, do_sample=True, num_return_sequences=3,
                                generator=torch.Generator().manual_seed(0), eos_token_id=None, block_size=10,
@@ -81,7 +84,7 @@ def test_sampled_scores_are_the_warped_logits_of_the_text_so_far(target):
     assert torch.equal(out.sequences[:, :6], prompts.repeat_interleave(3, dim=0))
     assert len({tuple(row) for row in out.sequences[:, 6:].tolist()}) > 2  # samples, not copies
     chain = [RepetitionPenaltyLogitsProcessor(1.3), TemperatureLogitsWarper(1.5), TopKLogitsWarper(12),
-             MinPLogitsWarper(0.05)]
+             MinPLogitsWarper(0.05), *([LogitNormalization()] if renormalize else [])]
     with torch.no_grad():
         fresh = target(out.sequences).logits.float()  # no padding: one forward covers every prefix
     for t in range(12):
@@ -123,3 +126,44 @@ def test_the_output_reads_like_generates(target):
     plain = speculative_generate(target, drafter, torch.tensor([[3, 4, 5]]), max_new_tokens=3)
     assert "scores" not in plain and plain.scores is None
     assert torch.equal(plain.sequences, out.sequences)
+
+
+class StopOnCloseCall(StoppingCriteria):
+    """Reads the scores: stop once the chosen token led the runner-up by less than ``margin``."""
+
+    def __init__(self, margin: float):
+        self.margin, self.lengths = margin, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.lengths.append(len(scores))
+        top2 = scores[-1].topk(2, dim=-1).values
+        return (top2[:, 0] - top2[:, 1]) < self.margin
+
+
+def test_stopping_criteria_read_the_scores_when_they_are_collected(target):
+    """With ``output_scores``, ``generate`` hands stopping criteria the scores so far; a criterion that reads
+    them stops the fast loop's rows where it stops ``generate``'s (mid-round, on oracle-drafted chains), and
+    sees one score per generated column."""
+    ids = torch.tensor([[20, 21, 22, 23, 24, 25, 20, 21]])
+    common = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, **RETURN)
+    reference = target.generate(ids, **common)
+    gaps = [float(s[0].topk(2).values[0] - s[0].topk(2).values[1]) for s in reference.scores]
+    margin = sorted(gaps[8:])[0] + 1e-3  # fires late enough for drafts to run past it
+    stop_at = next(t for t, gap in enumerate(gaps) if gap < margin)
+    expected = target.generate(ids, stopping_criteria=[StopOnCloseCall(margin)], **common)
+    assert expected.sequences.shape[1] == ids.shape[1] + stop_at + 1
+    drafter = _oracle(target, reference.sequences, ids, torch.ones_like(ids))
+    criterion = StopOnCloseCall(margin)
+    out = speculative_generate(target, drafter, ids, adaptive=False, stopping_criteria=[criterion], **common)
+    assert torch.equal(out.sequences, expected.sequences) and len(out.scores) == stop_at + 1
+    assert criterion.lengths == list(range(1, stop_at + 2))
+
+
+def test_score_buffers_grow_with_what_is_written_not_the_budget(target):
+    drafter = tiny_drafter(target).to(torch.float64)
+    ids = torch.tensor([[3, 4, 5]])
+    eos = int(target.generate(ids, max_new_tokens=3, do_sample=False)[0, -1])
+    out = speculative_generate(target, drafter, ids, max_new_tokens=400, eos_token_id=eos, **RETURN)
+    vocab = target.config.vocab_size
+    assert len(out.scores) == 3
+    assert out.scores[0].untyped_storage().nbytes() <= 64 * vocab * 4  # not 400 columns

@@ -162,7 +162,10 @@ class TargetLogitsProcessors:
     def __init__(self, target, config: GenerationConfig, input_ids, attention_mask, max_new_tokens: int,
                  logits_processor=None):
         plain = copy.deepcopy(config)
-        plain.do_sample = False  # the warpers stay with _Sampler, batched over slots
+        # the warpers stay with _Sampler, batched over slots; when sampling, so does renormalize_logits, which
+        # generate applies after them (_Sampler.warp)
+        plain.renormalize_logits = config.renormalize_logits and not config.do_sample
+        plain.do_sample = False
         plain.max_length = input_ids.shape[1] + max_new_tokens  # where forced_eos_token_id counts to
         device = input_ids.device
         target._prepare_special_tokens(plain, kwargs_has_attention_mask=True, device=device)
@@ -356,10 +359,12 @@ class _Sampler:
         self.generator = generator
         self.draft_temperature = temperature if do_sample else 0.0
         self.tail_warpers = tail_warpers(config, device) if do_sample and config is not None else []
+        self.renormalize = do_sample and config is not None and bool(config.renormalize_logits)
 
     def warp(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] processed logits -> the scores ``generate`` samples from: temperature / top-k / top-p, then
-        min-p / typical / epsilon / eta, in generate's order (unchanged when greedy)."""
+        min-p / typical / epsilon / eta, then ``renormalize_logits``'s log-softmax, in generate's order
+        (unchanged when greedy)."""
         if not self.do_sample:
             return logits
         logits = process_logits(logits, self.temperature, self.top_k, self.top_p)
@@ -368,7 +373,7 @@ class _Sampler:
             for warper in self.tail_warpers:  # they read the scores only
                 flat = warper(None, flat)
             logits = flat.reshape(logits.shape)
-        return logits
+        return logits.log_softmax(-1) if self.renormalize else logits
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., V] logits -> the target's sampling distribution (``warp``, then softmax)."""
@@ -436,6 +441,7 @@ class _Output:
         device = input_ids.device
         self.stop_strings, self.pad_token_id = stop_strings, pad_token_id
         self.stopping_criteria, self.prompt_ids = stopping_criteria, input_ids
+        self.token_scores: _TokenScores | None = None  # set when scores are collected (the criteria read them)
         self.history = torch.full((n_rows, prompt + max_new_tokens + block_size), pad_token_id, dtype=torch.long,
                                   device=device)
         self.history[:, :prompt] = torch.where(attention_mask.bool(), input_ids, -1)
@@ -478,16 +484,19 @@ class _Output:
 
     def _criteria_cut(self, rows: _Rows, written: torch.Tensor):
         """The caller's ``stopping_criteria`` after each of this round's written tokens, called as ``generate``
-        calls them: on the row's whole text up to that token (the prompt as given), with ``scores=None``
-        (``generate`` passes scores only with ``output_scores``, which the loop does not return); one row at a
-        time, since rows hold different lengths -> (tokens to keep [n], stopped [n])."""
+        calls them: on the row's whole text up to that token (the prompt as given), with the row's scores so
+        far when they are collected (``return_dict_in_generate`` and ``output_scores``: a tuple of [1, V], one
+        per generated column), else ``scores=None``; one row at a time, since rows hold different lengths
+        -> (tokens to keep [n], stopped [n])."""
         cut, stopped = written.clone(), torch.zeros_like(written, dtype=torch.bool)
         counts = self.count[rows.index].tolist()  # before this round's tokens
         for r, (row, count, n) in enumerate(zip(rows.index.tolist(), counts, written.tolist())):
             text = self.text(row, count + n)[None]
             for slot in range(n):
                 length = self.prompt_length + count + slot + 1
-                if bool(self.stopping_criteria(text[:, :length], None).any()):
+                collected = self.token_scores is not None and self.token_scores.scores is not None
+                scores = self.token_scores.row_scores(row, count + slot + 1) if collected else None
+                if bool(self.stopping_criteria(text[:, :length], scores).any()):
                     cut[r], stopped[r] = slot + 1, True
                     break
         return cut, stopped
@@ -517,25 +526,62 @@ class _Output:
 class _TokenScores:
     """``output_scores`` / ``output_logits``: per output row and generated token, the logits that chose it.
 
-    Buffers [N, max_new_tokens, V] (float32), allocated only when asked: a round writes, for each row, the
-    slots on the path it committed (linear rounds: slots 0..written-1; tree rounds: the path's slots in
-    depth order), so a token's entry is the target's logits after exactly the text ``generate`` holds
-    before it (processed on that text, ``TargetLogitsProcessors``). One host read per round."""
+    Buffers [N, columns, V] (float32), only when asked, grown by doubling up to ``max_new_tokens`` columns
+    (a budget taken from ``max_length`` may be far more than a call writes). A round writes, for each row,
+    the slots on the path it may commit (linear rounds: slots 0, 1, ...; tree rounds: the path's slots in
+    depth order), before the commit, so that stopping criteria read this round's scores as ``generate``
+    passes them; ``trim`` then clears what the commit cut. A token's entry is the target's logits after
+    exactly the text ``generate`` holds before it (processed on that text, ``TargetLogitsProcessors``).
+    One host read per round."""
 
     def __init__(self, n_rows: int, max_new_tokens: int, vocab_size: int, device, scores: bool, logits: bool):
+        self.max_new_tokens = max_new_tokens
+        width = min(max_new_tokens, 64)
+
         def buffer(wanted: bool):
-            return torch.zeros(n_rows, max_new_tokens, vocab_size, device=device) if wanted else None
+            return torch.zeros(n_rows, width, vocab_size, device=device) if wanted else None
 
         self.scores, self.logits = buffer(scores), buffer(logits)
 
-    def record(self, rows: "_Rows", start: torch.Tensor, written: torch.Tensor, logits: torch.Tensor,
-               scores: torch.Tensor) -> None:
-        """start, written: [n] each row's count before the round and tokens it wrote; logits, scores:
-        [n, w, V] raw and processed, slot j the one that chose the round's token j."""
-        for r, (row, begin, n) in enumerate(zip(rows.index.tolist(), start.tolist(), written.tolist())):
+    def _reserve(self, end: int) -> None:
+        buffers = [b for b in (self.scores, self.logits) if b is not None]
+        if end <= buffers[0].shape[1]:
+            return
+        width = min(self.max_new_tokens, max(end, 2 * buffers[0].shape[1]))
+
+        def grow(b: torch.Tensor) -> torch.Tensor:
+            bigger = b.new_zeros(b.shape[0], width, b.shape[2])
+            bigger[:, : b.shape[1]] = b
+            return bigger
+
+        self.scores = None if self.scores is None else grow(self.scores)
+        self.logits = None if self.logits is None else grow(self.logits)
+
+    def record(self, rows: "_Rows", start: torch.Tensor, count: torch.Tensor, logits: torch.Tensor,
+               scores: torch.Tensor | None) -> list[tuple[int, int, int]]:
+        """start, count: [n] each row's tokens before the round and the tokens it may commit; logits, scores:
+        [n, w, V] raw and processed (None when not asked), slot j the one that chose the round's token j.
+        -> (row, start, columns written) per row, for ``trim``."""
+        spans = []
+        for r, (row, begin, n) in enumerate(torch.stack([rows.index, start, count]).T.tolist()):
+            n = min(n, self.max_new_tokens - begin)
+            self._reserve(begin + n)
             for buffer, values in ((self.logits, logits), (self.scores, scores)):
                 if buffer is not None:
                     buffer[row, begin : begin + n] = values[r, :n]
+            spans.append((row, begin, n))
+        return spans
+
+    def trim(self, spans: list[tuple[int, int, int]], written: torch.Tensor) -> None:
+        """Clear the columns recorded for tokens the commit did not write (EOS, budget, a stop)."""
+        for (row, begin, n), kept in zip(spans, written.tolist()):
+            for buffer in (self.logits, self.scores):
+                if buffer is not None and kept < n:
+                    buffer[row, begin + kept : begin + n] = 0.0
+
+    def row_scores(self, row: int, columns: int) -> tuple[torch.Tensor, ...]:
+        """What ``generate`` hands stopping criteria after ``columns`` tokens: one [1, V] score per column."""
+        return tuple(self.scores[row : row + 1, t] for t in range(columns))
 
     def columns(self, width: int) -> tuple[tuple | None, tuple | None]:
         """(scores, logits) as generate returns them: one [N, V] tensor per generated column."""
@@ -699,10 +745,13 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 observe_tree_round(policy, draft, tree, result)
                 source = torch.where(result.winner == 1, draft.ngram_size, 0)
         with record_function("dflash2::accept"):
-            start = output.count[rows.index] if token_scores is not None else None  # commit advances counts
+            spans = None
+            if token_scores is not None:  # before the commit: stopping criteria read this round's scores
+                spans = token_scores.record(rows, output.count[rows.index], accepted + 1, raw_path,
+                                            sampler.warp(processed_path) if token_scores.scores is not None else None)
             written, within, rows.finished = output.commit(rows, tokens, accepted + 1)
-            if token_scores is not None:
-                token_scores.record(rows, start, written, raw_path, sampler.warp(processed_path))
+            if spans is not None:
+                token_scores.trim(spans, written)
             stats.record(accepted, written, verified=k, source=source, tree=tree is not None)
             if deadline is not None and time.monotonic() > deadline:
                 rows.finished = torch.ones_like(rows.finished)
@@ -761,9 +810,9 @@ def speculative_generate(
     lengths, ..., and a ``logits_processor`` list) run at every verified slot on that slot's own text
     (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
     every row after the round that passes it; a ``stopping_criteria`` list is called after every committed
-    token on the row's text up to it (one row at a time, ``scores=None`` as ``generate`` without
-    ``output_scores``) and ends the row where it fires. Settings the loop does not apply (beams, guidance,
-    top-h, ...) are refused by name where ``generate`` would apply them, before the prefill.
+    token on the row's text up to it (one row at a time; the row's scores so far with ``output_scores``,
+    else ``scores=None``, as ``generate``) and ends the row where it fires. Settings the loop does not apply
+    (beams, guidance, top-h, ...) are refused by name where ``generate`` would apply them, before the prefill.
     ``return_dict_in_generate`` with ``output_scores`` / ``output_logits`` fills the output's ``scores`` /
     ``logits`` as ``generate``'s (``SpeculativeOutput``); ``num_return_sequences`` (sampling) repeats each
     prompt's row, as ``generate`` expands them.
@@ -822,7 +871,8 @@ def speculative_generate(
             attention_mask = attention_mask.repeat_interleave(copies, dim=0)
     n_rows = input_ids.shape[0]
     if streamer is not None and n_rows != 1:
-        raise ValueError(f"streamer needs batch size 1, got {n_rows} rows")
+        copies_note = f" ({n_rows // copies} prompts x num_return_sequences={copies})" if copies > 1 else ""
+        raise ValueError(f"streamer needs batch size 1, got {n_rows} rows{copies_note}")
     drafter.bind_target(target)
     device = input_ids.device
     pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
@@ -853,16 +903,20 @@ def speculative_generate(
     criteria = StoppingCriteriaList(stopping_criteria) if stopping_criteria else None  # a plain list too
     output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
                      criteria)
+    output.token_scores = token_scores
     raw_logits = last_logits
     if processors is not None:
         last_logits = processors.first(output, last_logits)
     anchor = sampler.pick(last_logits)
     running = torch.zeros(n_rows, dtype=torch.bool, device=device)
     rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
-    written, _, rows.finished = output.commit(rows, anchor[:, None], torch.ones_like(anchor))
+    first = torch.ones_like(anchor)
+    if token_scores is not None:  # before the commit, as in every round
+        spans = token_scores.record(rows, torch.zeros_like(anchor), first, raw_logits[:, None],
+                                    sampler.warp(last_logits)[:, None] if want_scores else None)
+    written, _, rows.finished = output.commit(rows, anchor[:, None], first)
     if token_scores is not None:
-        token_scores.record(rows, torch.zeros_like(written), written, raw_logits[:, None],
-                            sampler.warp(last_logits)[:, None])
+        token_scores.trim(spans, written)
     if streamer is not None:
         streamer.put(input_ids[0].cpu())
         streamer.put(anchor.cpu())
