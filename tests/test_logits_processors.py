@@ -388,3 +388,41 @@ def test_the_transformers_path_stops_where_generate_stops(target):
                           stopping_criteria=StoppingCriteriaList([StopAfter(ids.shape[1], 600)]), **common)
     assert torch.equal(out, expected)
     assert drafter.last_speculative_stats.accepted > 3
+
+
+def _parity_by_prompt(batch_id, text):
+    """Prompt 0 writes even tokens, prompt 1 odd ones; after a 40, only 41 or 42 (the rule reads the text)."""
+    if int(text[-1]) == 40:
+        return [41, 42]
+    return list(range(batch_id % 2, VOCAB, 2))
+
+
+@pytest.mark.parametrize("trees", [False, True])
+def test_prefix_allowed_tokens_fn_is_called_as_generate_calls_it(target, trees):
+    """``prefix_allowed_tokens_fn`` (constrained decoding): greedy at batch 2, left-padded, each row decodes
+    what batched ``generate`` decodes with the same function, which gets the prompt's index and the text."""
+    ids, mask = _left_padded([[40, 7, 9, 40], [5, 6, 7]])
+    common = dict(max_new_tokens=20, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reference = target.generate(ids, attention_mask=mask, prefix_allowed_tokens_fn=_parity_by_prompt, **common)
+    assert not torch.equal(reference, target.generate(ids, attention_mask=mask, **common))
+    if trees:
+        drafter = tiny_drafter(target, block_size=5).to(torch.float64)
+        policy = dict(verify_policy=ForcedTrees([(3, 4), (2, 2)]), block_size=10)
+    else:
+        drafter, policy = _oracle(target, reference, ids, mask), dict(adaptive=False)
+    out = speculative_generate(target, drafter, ids, mask, prefix_allowed_tokens_fn=_parity_by_prompt, **policy,
+                               **common)
+    assert out.stats.accepted > 3
+    assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
+
+
+def test_prefix_allowed_tokens_fn_gets_the_prompts_index_with_several_samples(target):
+    """With ``num_return_sequences=2``, rows 0-1 are prompt 0's samples and rows 2-3 prompt 1's: the function
+    gets the prompt's index, as in ``generate``, so rows keep their prompt's parity."""
+    ids = torch.tensor([[3, 5, 7], [4, 6, 8]])
+    out = speculative_generate(target, tiny_drafter(target).to(torch.float64), ids, max_new_tokens=12,
+                               do_sample=True, num_return_sequences=2, eos_token_id=None,
+                               generator=torch.Generator().manual_seed(1),
+                               prefix_allowed_tokens_fn=lambda b, text: list(range(b % 2, VOCAB, 2)))
+    generated = out.sequences[:, 3:]
+    assert bool((generated[:2] % 2 == 0).all()) and bool((generated[2:] % 2 == 1).all())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -160,22 +161,30 @@ class TargetLogitsProcessors:
     one host read, only when some processor is on (``active``)."""
 
     def __init__(self, target, config: GenerationConfig, input_ids, attention_mask, max_new_tokens: int,
-                 logits_processor=None):
+                 logits_processor=None, prefix_allowed_tokens_fn=None):
         plain = copy.deepcopy(config)
         # the warpers stay with _Sampler, batched over slots; when sampling, so does renormalize_logits, which
         # generate applies after them (_Sampler.warp)
         plain.renormalize_logits = config.renormalize_logits and not config.do_sample
         plain.do_sample = False
+        # Rows arrive one at a time: prefix_allowed_tokens_fn gets the prompt's index that generate would pass
+        # it (a row's index over num_return_sequences) from a wrapper, and sees a batch of one.
+        copies, plain.num_return_sequences, plain.num_beams = max(1, config.num_return_sequences or 1), 1, 1
         plain.max_length = input_ids.shape[1] + max_new_tokens  # where forced_eos_token_id counts to
         device = input_ids.device
         target._prepare_special_tokens(plain, kwargs_has_attention_mask=True, device=device)
         self.vocab_size = target.get_output_embeddings().weight.shape[0]
 
         def for_row(i: int) -> LogitsProcessorList:
+            allowed = None
+            if prefix_allowed_tokens_fn is not None:
+                def allowed(_, text, prompt=i // copies):
+                    return prefix_allowed_tokens_fn(prompt, text)
             return target._get_logits_processor(
                 plain, input_ids.shape[1], encoder_input_ids=input_ids[i : i + 1],
                 logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
                 device=device, model_kwargs={"attention_mask": attention_mask[i : i + 1]},
+                prefix_allowed_tokens_fn=allowed,
             )
 
         first = for_row(0)
@@ -791,6 +800,7 @@ def speculative_generate(
     tokenizer=None,
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -807,7 +817,8 @@ def speculative_generate(
     ``max_length`` minus the prompt (at most the context less a block), else 64 tokens. ``stop_strings``
     (with ``tokenizer``, as ``generate``) end a row at the token that completes one, checked after every
     token as ``generate`` does. Logits processors (repetition penalty, no-repeat n-grams, bad words, minimum
-    lengths, ..., and a ``logits_processor`` list) run at every verified slot on that slot's own text
+    lengths, ..., a ``logits_processor`` list and ``prefix_allowed_tokens_fn``, called with the prompt's index
+    as ``generate`` calls it) run at every verified slot on that slot's own text
     (``TargetLogitsProcessors``: one small call per row and slot, only when one is on); ``max_time`` stops
     every row after the round that passes it; a ``stopping_criteria`` list is called after every committed
     token on the row's text up to it (one row at a time; the row's scores so far with ``output_scores``,
@@ -889,7 +900,8 @@ def speculative_generate(
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor)
+    processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor,
+                                        prefix_allowed_tokens_fn)
     processors = processors if processors.active else None
     sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
     token_scores = None
