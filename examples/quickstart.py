@@ -6,6 +6,7 @@
    to plain ``generate`` (checked here, in fp32).
 2. ``speculative_generate``: the fast loop on a left-padded batch of two chats, with a stop string, then
    sampled twice from one seed (the same text both times).
+3. The fast loop's ``output_scores``: each generated token's log-probability, as ``generate`` returns it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,18 @@ def main() -> int:
                                         temperature=0.8, generator=torch.Generator().manual_seed(0)).sequences
                    for _ in range(2)]
     print(f"sampled twice from seed 0: the same text both times: {torch.equal(*samples)}")
-    return 0 if torch.equal(plain, assisted) and torch.equal(*samples) else 1
+
+    scored_options = dict(max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                          output_scores=True)
+    with torch.no_grad():
+        fast = speculative_generate(target, drafter, **inputs, **scored_options)
+        reference = target.generate(**inputs, **scored_options)
+    log_probs = target.compute_transition_scores(fast.sequences, fast.scores, normalize_logits=True)
+    expected = target.compute_transition_scores(reference.sequences, reference.scores, normalize_logits=True)
+    same_scores = torch.equal(fast.sequences, reference.sequences) and torch.allclose(log_probs, expected, atol=1e-3)
+    print(f"fast loop with output_scores: log-probabilities equal generate's: {same_scores} "
+          f"(mean {float(log_probs.mean()):.2f} nats per token)")
+    return 0 if torch.equal(plain, assisted) and torch.equal(*samples) and same_scores else 1
 
 
 if __name__ == "__main__":

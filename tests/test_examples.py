@@ -18,3 +18,4 @@ def test_quickstart_runs_and_its_checks_hold():
     assert "identical to plain generate: True" in result.stdout
     assert "the same text both times: True" in result.stdout
     assert result.stdout.count("--- row") == 2
+    assert "log-probabilities equal generate's: True" in result.stdout
