@@ -375,3 +375,25 @@ def test_num_assistant_tokens_caps_the_drafts_of_a_generate_round():
     assert uncapped[4] > 0, uncapped  # without the setting the forced 4 drafts are verified
     # 0: plain steps only, and the head is not even asked to draft
     assert torch.equal(none, expected) and sum(plain_steps[1:]) == 0 < plain_steps[0] and oracle.calls == calls
+
+
+def test_calls_under_other_logits_processors_calibrate_apart():
+    """A repetition penalty rejects the repeats a call without it accepts: the next call carries over the
+    calibration of the last call with the same processors only, on both paths' key."""
+    from hf_dflash2 import speculative_generate
+    from hf_dflash2.cost_model_dflash2 import _LAST_POLICY, verify_policy_for
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    first = verify_policy_for(target, drafter, 1, 5, cost_model=cost, settings_key=("penalty",))
+    first.observe(torch.ones(1, 4), 4, torch.zeros(1, dtype=torch.long))
+    assert verify_policy_for(target, drafter, 1, 5, cost_model=cost).predicted is None
+    assert verify_policy_for(target, drafter, 1, 5, cost_model=cost, settings_key=("penalty",)).predicted is not None
+
+    ids = torch.tensor([[3, 4, 5, 3, 4]])
+    for settings in ({}, {"repetition_penalty": 1.3}, {}):
+        speculative_generate(target, drafter, ids, max_new_tokens=6, cost_model=cost, block_size=5, **settings)
+    keys = [key for key, entry in _LAST_POLICY.items() if entry[0]() is target and entry[1]() is drafter
+            and key[2] == 1 and key[3] == 5 and len(key[6]) == 3]  # the fast loop's keys
+    assert len(keys) == 2  # one per setting, the two plain calls sharing theirs

@@ -83,6 +83,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             target, drafter, 1, self.block_size, getattr(drafter, "adaptive_verify", True),
             getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
             reproducible=self.do_sample,
+            # calls under other logits processors (a repetition penalty, ...) calibrate apart
+            settings_key=tuple(type(p).__qualname__ for p in logits_processor or ()),
         )
         # Transformers checks stopping criteria once per assisted step, on the sequence's end, so a stop
         # (a stop string, a caller's criterion) reached before a step's last new token goes unseen and the

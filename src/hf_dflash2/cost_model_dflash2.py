@@ -642,12 +642,15 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
                       policy: VerifyPolicy | None = None, cost_model: CostModel | None = None,
-                      reproducible: bool = False) -> VerifyPolicy:
+                      reproducible: bool = False, settings_key: tuple = ()) -> VerifyPolicy:
     """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached) or fixed.
 
     ``reproducible`` (sampling): the adaptive policy then decides from the cost model and this call's own
     acceptances only; timed rounds and the previous call's calibration would change how many random draws a
-    round makes, so the same seed would not give the same text, as it does with ``target.generate``."""
+    round makes, so the same seed would not give the same text, as it does with ``target.generate``.
+    ``settings_key``: what else decides how often drafts are accepted (the logits processors in force); the
+    calibration, timings and back-off carry over only between calls with the same key, since a repetition
+    penalty rejects the very repeats a call without it accepts."""
     if policy is not None:
         if not isinstance(policy, VerifyPolicy):
             raise TypeError(
@@ -663,11 +666,12 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
     if reproducible:
         return AdaptiveVerifyPolicy(cost_model, clock=None).start(block_size)
     parameter = next(target.parameters())
-    key = (id(target), id(drafter), batch_size, block_size, parameter.dtype, parameter.device)
+    key = (id(target), id(drafter), batch_size, block_size, parameter.dtype, parameter.device, settings_key)
     policy = AdaptiveVerifyPolicy(cost_model).start(block_size, _recall(_LAST_POLICY, key, target, drafter))
     _remember(_LAST_POLICY, key, target, drafter, policy)
     return policy
 
 
-# (id target, id drafter, batch, block, dtype, device) -> (weakref target, weakref drafter, the last call's policy)
+# (id target, id drafter, batch, block, dtype, device, settings key) -> (weakref target, weakref drafter, the last
+# call's policy)
 _LAST_POLICY: dict[tuple, tuple] = {}

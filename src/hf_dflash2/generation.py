@@ -895,8 +895,11 @@ def speculative_generate(
     if max_new_tokens == 0:
         return SpeculativeOutput(input_ids.clone(), torch.zeros(n_rows, dtype=torch.long, device=device), stats,
                                  () if want_scores else None, () if want_logits else None)
+    # the processors in force change which drafts pass: calls under other processors calibrate apart
+    settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
+                    tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
     policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
-                               reproducible=do_sample)
+                               reproducible=do_sample, settings_key=settings_key)
 
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
