@@ -2,6 +2,7 @@
 
     python benchmarks/round_trace.py [--set mtbench] [--prompts 0,5] [--new-tokens 128] [--repeats 3]
                                      [--dtype fp32|bf16] [--linear-kernel auto|onednn|default]
+                                     [--repetition-penalty 1.2]
 
 Per prompt, interleaved with the order rotated per repeat (the median run counts): plain greedy
 ``generate``, the fast loop as shipped, the fast loop without n-gram drafts (``ngram_size=0``), and the
@@ -11,7 +12,8 @@ The shipped loop's median run is traced: each round's kind (plain step, head cha
 chain), wall time, and tokens committed; per kind, tokens committed per greedy token time (above 1 a kind
 of round pays, below 1 it costs). The trace line writes a plain step as ".", a chain round as the drafts it
 accepted (0-9), a tree round as a letter (a = 0 accepted, b = 1, ...).
-Writes benchmarks/results/round_trace_<set>_<dtype>.{json,md,png}.
+``--repetition-penalty`` runs every method with it (``generate`` too), to see which rounds a penalty turns
+into losses. Writes benchmarks/results/round_trace_<set>_<dtype>[_penalty<value>].{json,md,png}.
 """
 
 from __future__ import annotations
@@ -81,7 +83,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="auto")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="1.0: off")
     args = parser.parse_args()
+    if not args.repetition_penalty > 0:
+        parser.error(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
+    penalty = {} if args.repetition_penalty == 1.0 else {"repetition_penalty": args.repetition_penalty}
     indices = [int(i) for i in args.prompts.split(",")]
     target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     kernel = use_linear_kernel(target, args.linear_kernel)
@@ -97,10 +103,11 @@ def main() -> None:
 
             def loop(**options):
                 return lambda: speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, cost_model=cost,
-                                                    **options).sequences[0, ids.shape[1]:]
+                                                    **penalty, **options).sequences[0, ids.shape[1]:]
 
             calls = {"greedy": lambda: target.generate(ids, attention_mask=torch.ones_like(ids),
-                                                       max_new_tokens=args.new_tokens, **GREEDY)[0, ids.shape[1]:],
+                                                       max_new_tokens=args.new_tokens, **GREEDY,
+                                                       **penalty)[0, ids.shape[1]:],
                      "fast": loop(), "fast_no_ngram": loop(ngram_size=0),
                      "steps": loop(ngram_size=0, verify_policy=ForcedVerifyLengths([0])),
                      "steps_with_ngram_lookup": loop(verify_policy=ForcedVerifyLengths([0]))}
@@ -130,7 +137,7 @@ def main() -> None:
             print(f"  {kinds}\n  {line}", flush=True)
 
     command = "python benchmarks/round_trace.py " + " ".join(sys.argv[1:])
-    stem = f"round_trace_{args.set}_{args.dtype}"
+    stem = f"round_trace_{args.set}_{args.dtype}" + (f"_penalty{args.repetition_penalty}" if penalty else "")
     path = save(stem, {"command": command, "dtype": args.dtype, "linear_kernel": kernel, "cost_model": cost.as_dict(),
                        "new_tokens": args.new_tokens, "repeats": args.repeats, "prompts": rows, "traces": traces})
     kind_rows = [{"prompt": name, "kind": kind, **entry} for name, trace in traces.items()
