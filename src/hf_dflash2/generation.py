@@ -541,7 +541,7 @@ class _TokenScores:
     depth order), before the commit, so that stopping criteria read this round's scores as ``generate``
     passes them; ``trim`` then clears what the commit cut. A token's entry is the target's logits after
     exactly the text ``generate`` holds before it (processed on that text, ``TargetLogitsProcessors``).
-    One host read per round."""
+    Two small host reads per round (what to record, then what the commit kept)."""
 
     def __init__(self, n_rows: int, max_new_tokens: int, vocab_size: int, device, scores: bool, logits: bool):
         self.max_new_tokens = max_new_tokens
