@@ -53,6 +53,7 @@ from .speculative_dflash2 import (
     accept_sampling,
     check_ngram_size,
     dense_proposal,
+    grown,
     last_position,
     make_proposal,
     process_logits,
@@ -557,14 +558,8 @@ class _TokenScores:
         if end <= buffers[0].shape[1]:
             return
         width = min(self.max_new_tokens, max(end, 2 * buffers[0].shape[1]))
-
-        def grow(b: torch.Tensor) -> torch.Tensor:
-            bigger = b.new_zeros(b.shape[0], width, b.shape[2])
-            bigger[:, : b.shape[1]] = b
-            return bigger
-
-        self.scores = None if self.scores is None else grow(self.scores)
-        self.logits = None if self.logits is None else grow(self.logits)
+        self.scores = None if self.scores is None else grown(self.scores, 1, width)
+        self.logits = None if self.logits is None else grown(self.logits, 1, width)
 
     def record(self, rows: "_Rows", start: torch.Tensor, count: torch.Tensor, logits: torch.Tensor,
                scores: torch.Tensor | None) -> list[tuple[int, int, int]]:

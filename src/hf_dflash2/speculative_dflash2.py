@@ -324,6 +324,15 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     return proposal, draft is not None
 
 
+def grown(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``t`` copied into zeros ``size`` long along ``dim`` (buffers that double instead of growing per write)."""
+    shape = list(t.shape)
+    shape[dim] = size
+    bigger = t.new_zeros(shape)
+    bigger.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return bigger
+
+
 class DraftContext:
     """The drafter's context: per-layer K/V of the target's tapped features, slot validity and positions.
 
@@ -361,17 +370,9 @@ class DraftContext:
         if end <= self.capacity:
             return
         size = max(end, 2 * self.capacity)
-
-        def grow(t: torch.Tensor, dim: int) -> torch.Tensor:
-            shape = list(t.shape)
-            shape[dim] = size
-            bigger = t.new_zeros(shape)
-            bigger.narrow(dim, 0, t.shape[dim]).copy_(t)
-            return bigger
-
-        self._valid, self._positions = grow(self._valid, 1), grow(self._positions, 1)
+        self._valid, self._positions = grown(self._valid, 1, size), grown(self._positions, 1, size)
         if self._kv is not None:
-            self._kv = [(grow(k, 2), grow(v, 2)) for k, v in self._kv]
+            self._kv = [(grown(k, 2, size), grown(v, 2, size)) for k, v in self._kv]
 
     def verify_mask(self, width: int) -> torch.Tensor:
         """[N, T + width] attention mask for a target forward over ``width`` new slots (all visible).
