@@ -10,7 +10,7 @@ loop, which verifies one linear candidate per round). Speeds are tokens / median
 summed over the set; in bf16 each method may decode a slightly different text (near-tie flips), so
 tokens are counted per method, and a text that parts into a loop (long, easy to draft) or ends early
 moves the sums: the median over prompts of the per-prompt tokens/s ratio is the robust figure.
-Writes benchmarks/results/draft_tree.{json,md,png}.
+Writes benchmarks/results/<--output, default draft_tree>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto")
     parser.add_argument("--sets", default="mtbench,humaneval")
+    parser.add_argument("--output", default="draft_tree", help="file stem under benchmarks/results")
     args = parser.parse_args()
     target, tokenizer = load_target_for_decoding(args.dtype, None, None)
     apply_chat_template_option(tokenizer, "auto")
@@ -104,10 +105,10 @@ def main() -> None:
     columns = list(rows[0])
     print(table(rows, columns))
     command = "python benchmarks/draft_tree.py " + " ".join(sys.argv[1:])
-    save("draft_tree", {"command": command, "dtype": str(target.dtype).removeprefix("torch."),
+    save(args.output, {"command": command, "dtype": str(target.dtype).removeprefix("torch."),
                         "prompts_per_set": args.prompts, "new_tokens": n, "repeats": args.repeats, "rows": rows,
                         "per_prompt": prompts_detail})
-    (RESULTS / "draft_tree.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
+    (RESULTS / f"{args.output}.md").write_text(table(rows, columns) + f"\n\nCommand: `{command}`\n")
     labels, values = [], []
     for row in rows:
         for key, label in (("linear_x", "one source per row"), ("trees_x", "trees"),
@@ -116,7 +117,7 @@ def main() -> None:
             values.append(row[key])
     dtype = str(target.dtype).removeprefix("torch.")
     chart_bars(labels, values, "speed / plain greedy", f"draft trees, wall clock ({dtype})",
-               RESULTS / "draft_tree.png")
+               RESULTS / f"{args.output}.png")
 
 
 if __name__ == "__main__":
