@@ -98,6 +98,36 @@ def test_ngram_drafts_keep_greedy_identity_on_both_paths(dflash2):
         del drafter.verify_policy, drafter.ngram_size
 
 
+def test_the_loop_hands_the_lookup_every_row_whole_and_no_more(monkeypatch):
+    """The fast loop reads only as much history as the longest row can hold (a bound kept on the host):
+    every row's text still fits, and the lookup's drafts equal those over the whole buffer."""
+    import hf_dflash2.speculative_dflash2 as speculative
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    generator = torch.Generator().manual_seed(4)
+    spans = [torch.randint(2, 64, (n,), generator=generator) for n in (4, 3)]
+    ids, mask = _left_padded([torch.cat([s, s, s[:2]]) for s in spans])
+    widths, full_widths = [], []
+    original = speculative.ngram_draft
+
+    def checked(history, length, num_tokens, ngram_size=3):
+        assert int(length.max()) <= history.shape[1]
+        widths.append(history.shape[1])
+        padded = torch.cat([history, history.new_full((history.shape[0], 40), 7)], 1)  # more buffer after the text
+        full = original(padded, length, num_tokens, ngram_size)
+        mine = original(history, length, num_tokens, ngram_size)
+        assert torch.equal(mine[0], full[0]) and torch.equal(mine[1], full[1])
+        full_widths.append(padded.shape[1])
+        return mine
+
+    monkeypatch.setattr(speculative, "ngram_draft", checked)
+    for policy in (ForcedVerifyLengths([4, 0, 2]), None):
+        speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=30, verify_policy=policy,
+                             cost_model=CostModel([1.0] * 5, 1e-6))
+    assert widths and min(widths) < ids.shape[1] + 30  # early rounds read less than the whole budget
+
+
 def test_ngram_drafts_are_accepted_where_the_target_repeats_itself():
     """The target's own greedy output fed back as a prompt: the text goes on as before, so the n-gram
     drafts are accepted and the adaptive policy lets them carry most rounds."""

@@ -167,18 +167,26 @@ def ngram_draft(history: torch.Tensor, length: torch.Tensor, num_tokens: int, ng
     device = history.device
     size = torch.zeros(n_rows, dtype=torch.long, device=device)
     start = torch.zeros(n_rows, dtype=torch.long, device=device)  # where the continuation begins
-    for n in range(min(ngram_size, NGRAM_MAX), 0, -1):
-        if width <= n:
-            continue
-        suffix = history.gather(1, (length[:, None] - n + torch.arange(n, device=device)).clamp_min(0))  # [N, n]
-        windows = history.unfold(1, n, 1)  # [N, T - n + 1, n]
-        begins = torch.arange(windows.shape[1], device=device)
-        found = (windows == suffix[:, None]).all(-1) & (begins[None] + n < length[:, None])
-        found &= (suffix >= 0).all(-1, keepdim=True)
-        latest = torch.where(found, begins[None], -1).amax(-1)  # the most recent match, -1 if none
-        take = (size == 0) & (latest >= 0)
-        size = torch.where(take, n, size)
-        start = torch.where(take, latest + n, start)
+    largest = min(ngram_size, NGRAM_MAX, width - 1)
+    if largest >= 1:
+        # Matches are found by where they end: the match ending at e is as long as the run of suffix tokens
+        # the text before e repeats. suffix[:, j]: the token j places before the row's last one. A match ends
+        # before that last token, so it is an earlier occurrence.
+        suffix = history.gather(1, (length[:, None] - 1 - torch.arange(largest, device=device)).clamp_min(0))
+        ends = torch.arange(width, device=device)
+        run = (history == suffix[:, :1]) & (ends[None] + 1 < length[:, None])  # [N, T] a 1-gram ends at e
+        reach = run.long()
+        for j in range(1, largest):
+            earlier = torch.zeros_like(run)
+            earlier[:, j:] = history[:, :-j] == suffix[:, j : j + 1]
+            run = run & earlier
+            reach += run
+        real = (suffix >= 0).long().cumprod(-1).sum(-1, keepdim=True)  # [N, 1] suffix tokens that are not padding
+        reach = torch.minimum(reach, real)
+        # the longest match first, then the most recent: one max over (length, end)
+        best = torch.where(reach > 0, reach * width + ends[None], -1).amax(-1)
+        size = torch.where(best >= 0, best // width, 0)
+        start = torch.where(best >= 0, best % width + 1, 0)
     period = (length - start).clamp_min(1)
     offsets = torch.arange(num_tokens, device=device)
     index = (start[:, None] + offsets[None] % period[:, None]).clamp(0, width - 1)
