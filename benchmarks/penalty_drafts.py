@@ -1,0 +1,102 @@
+"""Why a repetition penalty leaves the fast loop little to accept: how often the head's drafts match the target.
+
+    python benchmarks/penalty_drafts.py [--prompts 2] [--new-tokens 72] [--stride 3] [--penalty 1.2]
+
+Per prompt (HumanEval and MT-Bench, the first ``--prompts`` of each), fp32: the target's greedy text with
+and without ``repetition_penalty``. At every ``--stride``-th position of each text, the head drafts a block
+from the true prefix (the drafter's context from a prefill, as the loop holds it), and we count the drafts
+that match the text from there (the accepted run of a fixed chain of B − 1) and whether position 1 matches:
+
+- ``plain text, no hook``: the unpenalized text, the head as it is (what it was trained for);
+- ``penalized text, no hook``: the penalized text, the head's logits untouched;
+- ``penalized text, penalty on drafts``: the same, the penalty applied to the head's logits on the committed
+  text before the path selector, as the fast loop does (``TargetLogitsProcessors.for_drafts``).
+
+If the last two are alike and both far below the first, a penalty costs acceptance because the head never
+saw penalized text, not because the loop drafts without the penalty.
+Writes benchmarks/results/penalty_drafts_<cpu kind>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GREEDY, RESULTS, cpu_kind, save, table  # noqa: E402
+
+from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
+from hf_dflash2.generation import prefill  # noqa: E402
+from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
+
+ARMS = ("plain text, no hook", "penalized text, no hook", "penalized text, penalty on drafts")
+
+
+def penalty_hook(penalty: RepetitionPenaltyLogitsProcessor, text: torch.Tensor, vocab_size: int):
+    """A ``draft_block`` logits hook: the penalty on the committed ``text`` [1, t], at every drafted position."""
+
+    def hook(logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        out = logits.clone()
+        for position in range(logits.shape[1]):
+            scores = logits[:, position].float()
+            if vocab is not None:
+                scores = scores.new_full((1, vocab_size), float("-inf")).index_copy(1, vocab, scores)
+            scores = penalty(text, scores)
+            out[:, position] = (scores if vocab is None else scores[:, vocab]).to(out.dtype)
+        return out
+
+    return hook
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per set")
+    parser.add_argument("--new-tokens", type=int, default=72)
+    parser.add_argument("--stride", type=int, default=3)
+    parser.add_argument("--penalty", type=float, default=1.2)
+    args = parser.parse_args()
+    if args.prompts < 1 or args.new_tokens < 16 or args.stride < 1 or not args.penalty > 0:
+        parser.error(f"need --prompts >= 1, --new-tokens >= 16, --stride >= 1, --penalty > 0; got {vars(args)}")
+    target, tokenizer = load_target(dtype=torch.float32)
+    head = load_head(default_head("smollm2-135m-dflash2"), target)
+    head.bind_target(target)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    drafts = head.config.block_size - 1
+    penalty = RepetitionPenaltyLogitsProcessor(args.penalty)
+    prompts = load_humaneval_prompts()[: args.prompts] + load_mtbench_prompts()[: args.prompts]
+    counts = {arm: {"blocks": 0, "accepted": 0, "first": 0} for arm in ARMS}
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = encode_prompt(tokenizer, prompt, "cpu")
+            for penalized in (False, True):
+                text = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.new_tokens,
+                                       **GREEDY, **({"repetition_penalty": args.penalty} if penalized else {}))
+                arms = ARMS[1:] if penalized else ARMS[:1]
+                for t in range(ids.shape[1], text.shape[1] - drafts - 1, args.stride):
+                    _, context, _ = prefill(target, head, text[:, :t], torch.ones_like(text[:, :t]), t + drafts + 1)
+                    truth = text[0, t + 1 : t + 1 + drafts]
+                    for arm in arms:
+                        hook = penalty_hook(penalty, text[:, : t + 1], vocab_size) if arm.endswith("drafts") else None
+                        draft = head.draft_block(text[:, t], torch.tensor([t]), context.kv, context.valid,
+                                                 context.positions, 0.0, None, drafts + 1, logits_processor=hook)
+                        same = (draft.tokens[0] == truth).long()
+                        counts[arm]["blocks"] += 1
+                        counts[arm]["accepted"] += int(same.cumprod(0).sum())
+                        counts[arm]["first"] += int(same[0])
+    rows = [{"arm": arm, "blocks": c["blocks"], "mean accepted drafts": round(c["accepted"] / c["blocks"], 3),
+             "position 1 matches": round(c["first"] / c["blocks"], 3)} for arm, c in counts.items()]
+    command = " ".join(["python benchmarks/penalty_drafts.py", *sys.argv[1:]])
+    stem = f"penalty_drafts_{cpu_kind()}"
+    markdown = (f"`{command}` (fp32, repetition_penalty {args.penalty}, {len(prompts)} prompts, a chain of {drafts} "
+                f"drafts every {args.stride} tokens)\n\n{table(rows, list(rows[0]))}\n")
+    (RESULTS / f"{stem}.md").write_text(markdown)
+    print(markdown)
+    print(f"wrote {save(stem, {'command': command, 'penalty': args.penalty, 'rows': rows})}")
+
+
+if __name__ == "__main__":
+    main()
