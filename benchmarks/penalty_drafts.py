@@ -13,7 +13,9 @@ that match the text from there (the accepted run of a fixed chain of B − 1) an
   text before the path selector, as the fast loop does (``TargetLogitsProcessors.for_drafts``).
 
 If the last two are alike and both far below the first, a penalty costs acceptance because the head never
-saw penalized text, not because the loop drafts without the penalty.
+saw penalized text, not because the loop drafts without the penalty. The plain arm drafts on its own text (the
+unpenalized one), so its blocks are other positions; the two penalized arms share theirs. Only the penalty is
+applied (the target's generation_config enables no other processor).
 Writes benchmarks/results/penalty_drafts_<cpu kind>.{json,md}.
 """
 
@@ -87,6 +89,8 @@ def main() -> None:
                         counts[arm]["blocks"] += 1
                         counts[arm]["accepted"] += int(same.cumprod(0).sum())
                         counts[arm]["first"] += int(same[0])
+    if any(c["blocks"] == 0 for c in counts.values()):
+        raise SystemExit(f"no block to draft: --new-tokens {args.new_tokens} leaves no position past a prompt")
     rows = [{"arm": arm, "blocks": c["blocks"], "mean accepted drafts": round(c["accepted"] / c["blocks"], 3),
              "position 1 matches": round(c["first"] / c["blocks"], 3)} for arm, c in counts.items()]
     command = " ".join(["python benchmarks/penalty_drafts.py", *sys.argv[1:]])

@@ -17,7 +17,8 @@ The gaps between neighbours price each piece; ``loop steps`` − ``+ context`` i
 (the host read, acceptance, commit, stats). Every variant stops at EOS, as ``generate`` does (no
 ``min_new_tokens``: its processor would be priced too). Then one more ``loop steps + lookup`` run per prompt
 with timers on its parts (the target's forwards, the context append, the lookup, the commit; the rest is
-the loop's own bookkeeping), in ms per generated token.
+the loop's own bookkeeping), in ms per generated token (the call's prefill and set-up are in it too, spread
+over the tokens).
 Writes benchmarks/results/step_cost_<dtype>_<cpu kind>.{json,md,png}.
 """
 
@@ -56,15 +57,15 @@ def timers(target, spent: Counter):
     parts = [(type(target), "__call__", "target forward"), (speculative, "ngram_draft", "n-gram lookup"),
              (speculative.DraftContext, "append", "context append"), (generation._Output, "commit", "commit")]
     originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in parts]
-    for owner, name, label in parts:
-        def timed(*args, _original=getattr(owner, name), _label=label, **kwargs):
-            started = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                spent[_label] += time.perf_counter() - started
-        setattr(owner, name, timed)
     try:
+        for owner, name, label in parts:
+            def timed(*args, _original=getattr(owner, name), _label=label, **kwargs):
+                started = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    spent[_label] += time.perf_counter() - started
+            setattr(owner, name, timed)
         yield
     finally:
         for owner, name, original in originals:

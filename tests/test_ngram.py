@@ -99,33 +99,41 @@ def test_ngram_drafts_keep_greedy_identity_on_both_paths(dflash2):
 
 
 def test_the_loop_hands_the_lookup_every_row_whole_and_no_more(monkeypatch):
-    """The fast loop reads only as much history as the longest row can hold (a bound kept on the host):
-    every row's text still fits, and the lookup's drafts equal those over the whole buffer."""
+    """The fast loop reads only as much history as the longest row can hold (a bound kept on the host, grown
+    by each round's width): every row's text still fits, and the lookup's drafts equal those over the whole
+    buffer. A text the tiny target loops on gets most drafts accepted, so rows run up against the bound, in
+    chain rounds and in tree rounds."""
+    import hf_dflash2.generation as generation
     import hf_dflash2.speculative_dflash2 as speculative
 
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
-    generator = torch.Generator().manual_seed(4)
-    spans = [torch.randint(2, 64, (n,), generator=generator) for n in (4, 3)]
-    ids, mask = _left_padded([torch.cat([s, s, s[:2]]) for s in spans])
-    widths, full_widths = [], []
-    original = speculative.ngram_draft
+    looping = plain(target, torch.tensor([[5, 9, 13]]), 40)[0]
+    other = plain(target, torch.tensor([[7, 2]]), 30)[0]
+    original, original_tree = speculative.ngram_draft, generation.build_tree
+    headroom, trees = [], []
 
     def checked(history, length, num_tokens, ngram_size=3):
-        assert int(length.max()) <= history.shape[1]
-        widths.append(history.shape[1])
+        headroom.append(history.shape[1] - int(length.max()))
+        assert headroom[-1] >= 0, (history.shape, length)
         padded = torch.cat([history, history.new_full((history.shape[0], 40), 7)], 1)  # more buffer after the text
-        full = original(padded, length, num_tokens, ngram_size)
-        mine = original(history, length, num_tokens, ngram_size)
+        full, mine = original(padded, length, num_tokens, ngram_size), original(history, length, num_tokens, ngram_size)
         assert torch.equal(mine[0], full[0]) and torch.equal(mine[1], full[1])
-        full_widths.append(padded.shape[1])
         return mine
 
+    def counted_tree(*args, **kwargs):
+        trees.append(1)
+        return original_tree(*args, **kwargs)
+
     monkeypatch.setattr(speculative, "ngram_draft", checked)
-    for policy in (ForcedVerifyLengths([4, 0, 2]), None):
-        speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=30, verify_policy=policy,
-                             cost_model=CostModel([1.0] * 5, 1e-6))
-    assert widths and min(widths) < ids.shape[1] + 30  # early rounds read less than the whole budget
+    monkeypatch.setattr(generation, "build_tree", counted_tree)
+    cost = CostModel([1.0, 1.0, 1.05, 1.1, 1.15], 0.1)
+    for prompts in ([looping], [looping, other]):
+        ids, mask = _left_padded([p.tolist() for p in prompts])
+        for policy in (None, ForcedVerifyLengths([4, 0, 1, 2], draft_when_zero=True)):
+            speculative_generate(target, drafter, ids, attention_mask=mask, max_new_tokens=60, verify_policy=policy,
+                                 cost_model=cost)
+    assert trees and min(headroom) == 0  # tree rounds ran, and some lookup needed every token of its bound
 
 
 def test_ngram_drafts_are_accepted_where_the_target_repeats_itself():
