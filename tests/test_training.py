@@ -403,6 +403,66 @@ def test_decode_batch_drops_ended_rows_and_matches_generate(monkeypatch):
     assert ends[0] <= 3 and max(ends) > ends[0] + 3  # rows really ended at different steps, and decoding went on
 
 
+def test_decode_batch_with_a_repetition_penalty_decodes_as_generate_does():
+    """Each row, batched and left-padded, equals generate(repetition_penalty=...) on that row alone (prompt
+    and response so far penalized, padding not); and the penalty really changes the text."""
+    target = tiny_target(vocab_size=64, seed=2)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 64, (n,), generator=generator) for n in (4, 9, 6)]
+    width = max(len(p) for p in prompts)
+    # padding holds the token row 0 says first: a penalty that read the padding would change that token
+    first = target.generate(prompts[0][None], attention_mask=torch.ones_like(prompts[0][None]), max_new_tokens=1,
+                            do_sample=False, repetition_penalty=1.5, pad_token_id=0)[0, -1]
+    input_ids = torch.full((len(prompts), width), int(first), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, p in enumerate(prompts):
+        input_ids[row, width - len(p) :], attention_mask[row, width - len(p) :] = p, 1
+    free = decode_batch(target, input_ids, attention_mask, 16, {1}, repetition_penalty=1.5)
+    eos = free[1][3]  # row 1 ends at its 4th token (or sooner); the others end there too or run on
+    target.generation_config.eos_token_id = eos
+    ours = decode_batch(target, input_ids, attention_mask, 16, {eos}, repetition_penalty=1.5)
+    plain_text = decode_batch(target, input_ids, attention_mask, 16, {eos})
+    for row, p in enumerate(prompts):
+        alone = target.generate(p[None], attention_mask=torch.ones_like(p[None]), max_new_tokens=16,
+                                do_sample=False, repetition_penalty=1.5, pad_token_id=0)[0, len(p):]
+        assert ours[row] == alone.tolist(), row
+    assert len(ours[1]) <= 4 and max(len(r) for r in ours) > 8  # rows left the batch while others went on
+    assert ours != plain_text
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0.*got 0.0"):
+        decode_batch(target, input_ids, attention_mask, 4, {1}, repetition_penalty=0.0)
+
+
+def test_regeneration_records_its_penalty_and_never_resumes_under_another(tmp_path, monkeypatch):
+    target = tiny_target(vocab_size=64)
+    target.generation_config.eos_token_id = 5
+    prompts = [{"id": f"p{i}", "messages": [{"role": "user", "content": f"question {i}"}]} for i in range(4)]
+    out = tmp_path / "regen.jsonl"
+    regenerate(target, FakeTokenizer(), prompts, out, RegenerationConfig(batch_size=2, max_new_tokens=4,
+                                                                        repetition_penalty=1.3), max_records=2)
+    records = read_regenerated(out)
+    assert len(records) == 2 and all(r["repetition_penalty"] == 1.3 for r in records)
+    before = out.read_text()
+    with pytest.raises(ValueError, match=r"repetition_penalty \[1.3\]; resuming it with 1.0"):
+        regenerate(target, FakeTokenizer(), prompts, out, RegenerationConfig(batch_size=2, max_new_tokens=4))
+    assert out.read_text() == before  # nothing written
+    regenerate(target, FakeTokenizer(), prompts, out, RegenerationConfig(batch_size=2, max_new_tokens=4,
+                                                                        repetition_penalty=1.3))
+    assert len(read_regenerated(out)) == 4
+
+    import hf_dflash2.assets
+    from hf_dflash2.cli import main
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(hf_dflash2.assets, "load_target", no_load)
+    with pytest.raises(SystemExit, match=r"repetition_penalty \[1.3\], not 1.0"):
+        main(["regenerate", "--output", str(out)])
+    with pytest.raises(SystemExit, match="--repetition-penalty -1.0 must be > 0"):
+        main(["regenerate", "--output", str(tmp_path / "new.jsonl"), "--repetition-penalty", "-1"])
+    assert out.read_text() != before and not (tmp_path / "new.jsonl").exists()
+
+
 def test_sharegpt_style_loader_reports_what_it_skipped(tmp_path):
     from hf_dflash2.assets import load_sharegpt_prompts
 

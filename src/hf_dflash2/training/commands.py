@@ -113,9 +113,18 @@ def cmd_regenerate(args) -> int:
         do_sample=args.do_sample,
         temperature=args.temperature,
         seed=args.seed,
+        repetition_penalty=args.repetition_penalty,
     )
     if config.batch_size < 1 or config.max_new_tokens < 1:
         raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
+    if not config.repetition_penalty > 0:
+        raise SystemExit(f"--repetition-penalty {config.repetition_penalty} must be > 0 (1.0: none)")
+    from .regenerate import read_regenerated
+
+    mixed = {r.get("repetition_penalty", 1.0) for r in read_regenerated(args.output)} - {config.repetition_penalty}
+    if mixed:  # before the target loads
+        raise SystemExit(f"--output {args.output} holds responses decoded with repetition_penalty {sorted(mixed)}, "
+                         f"not {config.repetition_penalty}: give another --output")
     if args.skip < 0:
         raise SystemExit(f"--skip {args.skip} must be >= 0")
     followups = bool(_followup_sources(args.prompts))
@@ -158,6 +167,9 @@ def _register_regenerate(sub) -> None:
     p.add_argument("--do-sample", action="store_true")
     p.add_argument("--temperature", type=float, default=d["temperature"])
     p.add_argument("--seed", type=int, default=d["seed"])
+    p.add_argument("--repetition-penalty", type=float, default=d["repetition_penalty"],
+                   help="decode as generate(repetition_penalty=...) does (1.0: none), for a head that will serve "
+                   "penalized decoding; recorded in every record, and a file is never resumed under another value")
     p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
     p.add_argument("--linear-kernel", default="auto",
                    help="CPU linear layers: oneDNN with packed weights, PyTorch's default, or auto (timed once at "

@@ -1,6 +1,8 @@
 """Regenerate responses with the target itself, so the drafter learns the target's own distribution.
 
-Output is an append-only JSONL of ``{"id", "prompt_ids", "response_ids"}``. Each batch is
+Output is an append-only JSONL of ``{"id", "prompt_ids", "response_ids"}`` (plus ``"repetition_penalty"``
+when one was set: a head that serves a penalized decode should learn from penalized text, since a penalty
+halves what a head trained on plain text gets right; ``benchmarks/penalty_drafts.py``). Each batch is
 appended with one write followed by fsync; a line cut short by a crash is dropped on the next
 start (the file is rewritten atomically without it), and finished prompt ids are skipped.
 
@@ -34,6 +36,7 @@ class RegenerationConfig:
     do_sample: bool = False
     temperature: float = 1.0
     seed: int = 0
+    repetition_penalty: float = 1.0  # 1.0: none; else as generate's, on the prompt and the response so far
 
 
 def read_regenerated(path: str | Path) -> list[dict]:
@@ -90,17 +93,23 @@ def decode_batch(
     do_sample: bool = False,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    repetition_penalty: float = 1.0,
 ) -> list[list[int]]:
     """Greedy (or sampled) decoding of left-padded prompts [N, P] that drops each row once it ends.
 
     Returns each row's new tokens, up to and including its first EOS (or ``max_new_tokens`` of them).
     Greedy, it is token for token ``generate``'s output: a row's logits never depend on the other rows
     (masked padding, per-row positions), so removing finished rows changes nothing else. Sampling is
-    plain temperature sampling (no top-k / top-p / penalties from the target's generation config).
+    plain temperature sampling (no top-k / top-p from the target's generation config).
+    ``repetition_penalty`` (1.0: none) acts as ``generate``'s on one unpadded row: every token of the row's
+    prompt and of its response so far gets its logit divided by it (multiplied where negative). Padding is
+    not text, so a batched row decodes as it would alone (``generate`` would also penalize the pad token).
     Needs a cache that supports ``batch_select_indices`` (attention KV caches; not linear-attention layers).
     """
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample needs temperature > 0, got {temperature}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {repetition_penalty}")
     device = input_ids.device
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=device)
     cache = DynamicCache(config=target.config)
@@ -111,7 +120,17 @@ def decode_batch(
     next_position = positions[:, -1] + 1
     mask = attention_mask.long()
     outputs: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
+    seen = None  # [n, V] the tokens each live row's text holds, when a penalty reads them
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(input_ids.shape[0], logits.shape[-1] + 1, dtype=torch.bool, device=device)
+        seen.scatter_(1, torch.where(attention_mask.bool(), input_ids, logits.shape[-1]).clamp(max=logits.shape[-1]),
+                      True)  # padding (and ids past the logits) land in the spare last column
+        seen = seen[:, :-1]
     for step in range(max_new_tokens):
+        if seen is not None:  # in float32, where generate applies its processors
+            logits = logits.float()
+            penalized = torch.where(logits < 0, logits * repetition_penalty, logits / repetition_penalty)
+            logits = torch.where(seen, penalized, logits)
         if do_sample:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -128,6 +147,9 @@ def decode_batch(
                 break
             cache.batch_select_indices(keep)
             rows, tokens, next_position, mask = rows[keep], tokens[keep], next_position[keep], mask[keep]
+            seen = None if seen is None else seen[keep]
+        if seen is not None:
+            seen[torch.arange(tokens.shape[0], device=device), tokens] = True
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         logits = target(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_position[:, None],
                         cache=cache, use_cache=True).logits[:, -1]
@@ -147,9 +169,17 @@ def regenerate(
     """Write the target's responses to ``prompts`` into ``output_path``, resuming where it stopped."""
     if config.batch_size < 1 or config.max_new_tokens < 1:
         raise ValueError(f"batch_size ({config.batch_size}) and max_new_tokens ({config.max_new_tokens}) must be >= 1")
+    if not config.repetition_penalty > 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {config.repetition_penalty}")
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    done = {r["id"] for r in _repair(output_path)}
+    existing = _repair(output_path)
+    # One file, one decode: records made under another penalty would mix two texts' laws in one store.
+    penalties = {r.get("repetition_penalty", 1.0) for r in existing}
+    if penalties - {config.repetition_penalty}:
+        raise ValueError(f"{output_path} holds responses decoded with repetition_penalty {sorted(penalties)}; "
+                         f"resuming it with {config.repetition_penalty} would mix them (use another --output)")
+    done = {r["id"] for r in existing}
     todo = [p for p in encode_prompts(tokenizer, prompts, config.max_prompt_tokens) if p[0] not in done]
     if max_records is not None:
         todo = todo[: max(0, max_records - len(done))]
@@ -171,10 +201,12 @@ def regenerate(
             attention_mask[row, width - len(ids) :] = 1
         generator = torch.Generator(device=device).manual_seed(config.seed + start)
         out = decode_batch(target, input_ids.to(device), attention_mask.to(device), config.max_new_tokens, eos_ids,
-                           config.do_sample, config.temperature, generator)
+                           config.do_sample, config.temperature, generator, config.repetition_penalty)
+        penalty = {} if config.repetition_penalty == 1.0 else {"repetition_penalty": config.repetition_penalty}
         lines = []
         for (prompt_id, prompt_ids), response in zip(batch, out):
-            lines.append(json.dumps({"id": prompt_id, "prompt_ids": prompt_ids, "response_ids": response}) + "\n")
+            record = {"id": prompt_id, "prompt_ids": prompt_ids, "response_ids": response, **penalty}
+            lines.append(json.dumps(record) + "\n")
         with open(output_path, "a", encoding="utf-8") as handle:
             handle.write("".join(lines))
             handle.flush()
