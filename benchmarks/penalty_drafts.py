@@ -1,6 +1,7 @@
 """Why a repetition penalty leaves the fast loop little to accept: how often the head's drafts match the target.
 
     python benchmarks/penalty_drafts.py [--prompts 2] [--new-tokens 72] [--stride 3] [--penalty 1.2]
+                                        [--head HEAD_FOLDER] [--output STEM]
 
 Per prompt (HumanEval and MT-Bench, the first ``--prompts`` of each), fp32: the target's greedy text with
 and without ``repetition_penalty``. At every ``--stride``-th position of each text, the head drafts a block
@@ -16,7 +17,8 @@ If the last two are alike and both far below the first, a penalty costs acceptan
 saw penalized text, not because the loop drafts without the penalty. The plain arm drafts on its own text (the
 unpenalized one), so its blocks are other positions; the two penalized arms share theirs. Only the penalty is
 applied (the target's generation_config enables no other processor).
-Writes benchmarks/results/penalty_drafts_<cpu kind>.{json,md}.
+``--head`` (default: the committed head) compares a head fine-tuned on penalized text (``hf-dflash2 regenerate
+--repetition-penalty``). Writes benchmarks/results/<--output, default penalty_drafts_<cpu kind>>.{json,md}.
 """
 
 from __future__ import annotations
@@ -60,11 +62,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=72)
     parser.add_argument("--stride", type=int, default=3)
     parser.add_argument("--penalty", type=float, default=1.2)
+    parser.add_argument("--head", default=None, help="head folder (default: heads/smollm2-135m-dflash2)")
+    parser.add_argument("--output", default=None, help="file stem under benchmarks/results")
     args = parser.parse_args()
     if args.prompts < 1 or args.new_tokens < 16 or args.stride < 1 or not args.penalty > 0:
         parser.error(f"need --prompts >= 1, --new-tokens >= 16, --stride >= 1, --penalty > 0; got {vars(args)}")
     target, tokenizer = load_target(dtype=torch.float32)
-    head = load_head(default_head("smollm2-135m-dflash2"), target)
+    head = load_head(args.head or default_head("smollm2-135m-dflash2"), target)
     head.bind_target(target)
     vocab_size = target.get_output_embeddings().weight.shape[0]
     drafts = head.config.block_size - 1
@@ -94,12 +98,13 @@ def main() -> None:
     rows = [{"arm": arm, "blocks": c["blocks"], "mean accepted drafts": round(c["accepted"] / c["blocks"], 3),
              "position 1 matches": round(c["first"] / c["blocks"], 3)} for arm, c in counts.items()]
     command = " ".join(["python benchmarks/penalty_drafts.py", *sys.argv[1:]])
-    stem = f"penalty_drafts_{cpu_kind()}"
+    stem = args.output or f"penalty_drafts_{cpu_kind()}"
     markdown = (f"`{command}` (fp32, repetition_penalty {args.penalty}, {len(prompts)} prompts, a chain of {drafts} "
-                f"drafts every {args.stride} tokens)\n\n{table(rows, list(rows[0]))}\n")
+                f"drafts every {args.stride} tokens; head {args.head or 'committed'})\n\n"
+                f"{table(rows, list(rows[0]))}\n")
     (RESULTS / f"{stem}.md").write_text(markdown)
     print(markdown)
-    print(f"wrote {save(stem, {'command': command, 'penalty': args.penalty, 'rows': rows})}")
+    print(f"wrote {save(stem, {'command': command, 'penalty': args.penalty, 'head': str(args.head), 'rows': rows})}")
 
 
 if __name__ == "__main__":

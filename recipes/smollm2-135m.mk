@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -442,3 +442,28 @@ finetune-smollm2-s29: store-smollm2-s28
 		--prompts 32 --tokens 64 --prompt-slice $$slice \
 		--output benchmarks/results/heldout_tau_round29_$(S29_NAME)_slice$$slice.json || exit 1; done
 
+
+# Session 33: does a head fine-tuned on penalized text accept more under a penalty? The target's responses
+# decoded with --repetition-penalty 1.2 (the ShareGPT first turns and python-functions prompts session 26
+# answered without one), a store of them, session 26's fine-tune of the committed head for S33_STEPS steps,
+# then benchmarks/penalty_drafts.py on the fine-tune's last step and its moving average (the committed head's
+# figures: python benchmarks/penalty_drafts.py, penalty_drafts_<cpu kind>.md).
+S33_RECORDS ?= 1024
+S33_STEPS ?= 400
+S33_PENALTY ?= 1.2
+regenerate-smollm2-s33: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s33_penalty.jsonl --skip 5120 \
+		--limit $(S33_RECORDS) --batch-size 64 --max-new-tokens 192 --repetition-penalty $(S33_PENALTY)
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 4736 --output data/regen_code_s33_penalty.jsonl \
+		--limit $(S33_RECORDS) --batch-size 64 --max-new-tokens 192 --repetition-penalty $(S33_PENALTY)
+
+store-smollm2-s33: regenerate-smollm2-s33
+	$(VENV)/bin/hf-dflash2 store --output data/store_s33_penalty \
+		--source data/regen_sharegpt_s33_penalty.jsonl,data/regen_code_s33_penalty.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-length 832
+
+finetune-smollm2-s33: S26_STEPS = $(S33_STEPS)
+finetune-smollm2-s33: store-smollm2-s33
+	$(call finetune_committed,data/store_s33_penalty,runs/finetune_s33_penalty,)
+	for export in export export_ema; do $(PY) benchmarks/penalty_drafts.py --penalty $(S33_PENALTY) \
+		--head runs/finetune_s33_penalty/$$export --output penalty_drafts_s33_finetuned_$$export || exit 1; done
