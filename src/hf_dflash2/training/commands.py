@@ -119,9 +119,9 @@ def cmd_regenerate(args) -> int:
         raise SystemExit(f"--batch-size {config.batch_size} and --max-new-tokens {config.max_new_tokens} must be >= 1")
     if not config.repetition_penalty > 0:
         raise SystemExit(f"--repetition-penalty {config.repetition_penalty} must be > 0 (1.0: none)")
-    from .regenerate import read_regenerated
+    from .regenerate import other_penalties, read_regenerated
 
-    mixed = {r.get("repetition_penalty", 1.0) for r in read_regenerated(args.output)} - {config.repetition_penalty}
+    mixed = other_penalties(read_regenerated(args.output), config.repetition_penalty)
     if mixed:  # before the target loads
         raise SystemExit(f"--output {args.output} holds responses decoded with repetition_penalty {sorted(mixed)}, "
                          f"not {config.repetition_penalty}: give another --output")

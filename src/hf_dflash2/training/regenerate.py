@@ -53,6 +53,12 @@ def read_regenerated(path: str | Path) -> list[dict]:
     return records
 
 
+def other_penalties(records: list[dict], repetition_penalty: float) -> set[float]:
+    """The repetition penalties ``records`` were decoded with, other than ``repetition_penalty`` (one file, one
+    decode: records made under another penalty would mix two texts' laws in one store)."""
+    return {r.get("repetition_penalty", 1.0) for r in records} - {repetition_penalty}
+
+
 def _repair(path: Path) -> list[dict]:
     records = read_regenerated(path)
     if path.exists() and len(path.read_text(encoding="utf-8").splitlines()) != len(records):
@@ -174,9 +180,8 @@ def regenerate(
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     existing = _repair(output_path)
-    # One file, one decode: records made under another penalty would mix two texts' laws in one store.
-    penalties = {r.get("repetition_penalty", 1.0) for r in existing}
-    if penalties - {config.repetition_penalty}:
+    if other_penalties(existing, config.repetition_penalty):
+        penalties = {r.get("repetition_penalty", 1.0) for r in existing}
         raise ValueError(f"{output_path} holds responses decoded with repetition_penalty {sorted(penalties)}; "
                          f"resuming it with {config.repetition_penalty} would mix them (use another --output)")
     done = {r["id"] for r in existing}
