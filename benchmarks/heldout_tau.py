@@ -22,8 +22,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def evaluate(target, tokenizer, head_dirs: list[str], prompts: list[dict], tokens: int) -> dict:
-    """``prompts``: ``training.commands.heldout_prompts``."""
+def evaluate(
+    target, tokenizer, head_dirs: list[str], prompts: list[dict], tokens: int, repetition_penalty: float = 1.0
+) -> dict:
+    """``prompts``: ``training.commands.heldout_prompts``; ``repetition_penalty`` as ``generate``'s (1.0: off)."""
     from hf_dflash2 import DFlash2DraftModel, speculative_generate
     from hf_dflash2.generation import PLAIN_GREEDY
     from hf_dflash2.training.regenerate import encode_prompts
@@ -37,7 +39,7 @@ def evaluate(target, tokenizer, head_dirs: list[str], prompts: list[dict], token
             name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
             result = speculative_generate(
                 target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False, ngram_size=0,
-                **PLAIN_GREEDY,
+                **{**PLAIN_GREEDY, "repetition_penalty": repetition_penalty},
             )  # the head alone: every round verifies its block, no n-gram drafts (on by default since session 11)
             for key in (name, "all"):  # fresh copies: merge() accumulates into its receiver
                 by_set[key] = copy.deepcopy(result.stats) if key not in by_set else by_set[key].merge(result.stats)
@@ -68,7 +70,15 @@ def main() -> int:
         help="1..9: 16 other prompts (heldout_prompts), a second opinion",
     )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target and heads run in this dtype")
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="decode as generate(repetition_penalty=P) does, penalty applied to the drafts too (1.0: off)",
+    )
     args = parser.parse_args()
+    if not args.repetition_penalty > 0:
+        raise SystemExit(f"--repetition-penalty {args.repetition_penalty}: must be > 0 (1.0 is off)")
     for head in args.heads:
         if not (Path(head) / "config.json").exists():
             raise SystemExit(f"{head}: not a head folder (no config.json)")
@@ -77,10 +87,11 @@ def main() -> int:
 
     prompts = heldout_prompts(args.prompts, args.prompt_slice)
     target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    results = evaluate(target, tokenizer, args.heads, prompts, args.tokens)
+    results = evaluate(target, tokenizer, args.heads, prompts, args.tokens, args.repetition_penalty)
     if args.output:
         report = {
             "command": " ".join(["python", "benchmarks/heldout_tau.py"] + sys.argv[1:]),
+            "repetition_penalty": args.repetition_penalty,
             "prompts": [p["id"] for p in prompts],  # --prompts above 16 adds none: 8 HumanEval, 8 MT-Bench
             "results": results,
         }

@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -467,3 +467,39 @@ finetune-smollm2-s33: store-smollm2-s33
 	$(call finetune_committed,data/store_s33_penalty,runs/finetune_s33_penalty,)
 	for export in export export_ema; do $(PY) benchmarks/penalty_drafts.py --penalty $(S33_PENALTY) \
 		--head runs/finetune_s33_penalty/$$export --output penalty_drafts_s33_finetuned_$$export || exit 1; done
+
+# Session 34: the penalized text mixed with plain text, so that the head learns the penalized target without
+# forgetting the plain one. Plain greedy responses to the other half of session 26's prompts (the half session 33
+# did not decode under a penalty, so record ids do not collide), appended to a copy of session 33's store; the
+# committed head fine-tuned on the mix for S34_STEPS steps; then held-out tau with and without the penalty.
+S34_RECORDS ?= 1024
+S34_STEPS ?= 1500
+S34_NAME ?= s34_mix
+regenerate-smollm2-s34: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s34_plain.jsonl --skip $$((5120 + $(S33_RECORDS))) \
+		--limit $(S34_RECORDS) --batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip $$((4736 + $(S33_RECORDS))) \
+		--output data/regen_code_s34_plain.jsonl --limit $(S34_RECORDS) --batch-size 64 --max-new-tokens 192
+
+store-smollm2-s34: store-smollm2-s33 regenerate-smollm2-s34
+	test -d data/store_s34_mix || cp -r data/store_s33_penalty data/store_s34_mix
+	$(VENV)/bin/hf-dflash2 store --output data/store_s34_mix --max-tokens 3000000 \
+		--source data/regen_sharegpt_s33_penalty.jsonl,data/regen_code_s33_penalty.jsonl,data/regen_sharegpt_s34_plain.jsonl,data/regen_code_s34_plain.jsonl \
+		--target-layer-ids 1,7,14,20,27 --max-length 832
+
+finetune-smollm2-s34: S26_STEPS = $(S34_STEPS)
+finetune-smollm2-s34: store-smollm2-s34
+	$(call finetune_committed,data/store_s34_mix,runs/finetune_$(S34_NAME),)
+	for penalty in 1.2 1.0; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 \
+		runs/finetune_$(S34_NAME)/export runs/finetune_$(S34_NAME)/export_ema --prompts 16 --tokens 64 \
+		--repetition-penalty $$penalty --output benchmarks/results/heldout_tau_round34_$(S34_NAME)_penalty$$penalty.json \
+		|| exit 1; done
+
+# Session 34's label arms on session 33's penalized store alone (same steps as session 33's argmax run): the
+# target's top-32 distribution (kl), or the penalized token itself (data). The loop applies the penalty to the
+# head's logits, so a head whose logits follow the target's raw ones should rank the penalized choice as the
+# target does; held-out tau with and without the penalty decides.
+S34_ARM ?= kl
+arm-smollm2-s34: S26_STEPS = $(S33_STEPS)
+arm-smollm2-s34: store-smollm2-s33
+	$(call finetune_committed,data/store_s33_penalty,runs/finetune_s34_penalty_$(S34_ARM),--label-source $(S34_ARM))
