@@ -11,7 +11,9 @@ that match the text from there (the accepted run of a fixed chain of B − 1) an
 - ``plain text, no hook``: the unpenalized text, the head as it is (what it was trained for);
 - ``penalized text, no hook``: the penalized text, the head's logits untouched;
 - ``penalized text, penalty on drafts``: the same, the penalty applied to the head's logits on the committed
-  text before the path selector, as the fast loop does (``TargetLogitsProcessors.for_drafts``).
+  text before the path selector, as the fast loop does (``TargetLogitsProcessors.for_drafts``);
+- ``penalized text, penalty at the target's scale``: the same, on the head's log-probabilities plus the target's
+  log-normaliser where it chose the anchor (the penalty scales a logit by its own size).
 
 If the last two are alike and both far below the first, a penalty costs acceptance because the head never
 saw penalized text, not because the loop drafts without the penalty. The plain arm drafts on its own text (the
@@ -37,13 +39,20 @@ from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load
 from hf_dflash2.generation import prefill  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
 
-ARMS = ("plain text, no hook", "penalized text, no hook", "penalized text, penalty on drafts")
+ARMS = ("plain text, no hook", "penalized text, no hook", "penalized text, penalty on drafts",
+        "penalized text, penalty at the target's scale")
 
 
-def penalty_hook(penalty: RepetitionPenaltyLogitsProcessor, text: torch.Tensor, vocab_size: int):
-    """A ``draft_block`` logits hook: the penalty on the committed ``text`` [1, t], at every drafted position."""
+def penalty_hook(penalty: RepetitionPenaltyLogitsProcessor, text: torch.Tensor, vocab_size: int,
+                 target_logsumexp: torch.Tensor | None = None):
+    """A ``draft_block`` logits hook: the penalty on the committed ``text`` [1, t], at every drafted position.
+    ``target_logsumexp`` [1]: first move the head's logits to the target's scale (its log-probabilities plus
+    the target's log-normaliser where it chose the anchor), since the penalty divides or multiplies logits
+    by their own size."""
 
     def hook(logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+        if target_logsumexp is not None:
+            logits = logits.float().log_softmax(-1) + target_logsumexp[:, None, None]
         out = logits.clone()
         for position in range(logits.shape[1]):
             scores = logits[:, position].float()
@@ -83,10 +92,14 @@ def main() -> None:
                                        **GREEDY, **({"repetition_penalty": args.penalty} if penalized else {}))
                 arms = ARMS[1:] if penalized else ARMS[:1]
                 for t in range(ids.shape[1], text.shape[1] - drafts - 1, args.stride):
-                    _, context, _ = prefill(target, head, text[:, :t], torch.ones_like(text[:, :t]), t + drafts + 1)
+                    _, context, last = prefill(target, head, text[:, :t], torch.ones_like(text[:, :t]), t + drafts + 1)
                     truth = text[0, t + 1 : t + 1 + drafts]
                     for arm in arms:
-                        hook = penalty_hook(penalty, text[:, : t + 1], vocab_size) if arm.endswith("drafts") else None
+                        hook = None
+                        if arm.endswith("drafts"):
+                            hook = penalty_hook(penalty, text[:, : t + 1], vocab_size)
+                        elif arm.endswith("scale"):
+                            hook = penalty_hook(penalty, text[:, : t + 1], vocab_size, last.logsumexp(-1))
                         draft = head.draft_block(text[:, t], torch.tensor([t]), context.kv, context.valid,
                                                  context.positions, 0.0, None, drafts + 1, logits_processor=hook)
                         same = (draft.tokens[0] == truth).long()

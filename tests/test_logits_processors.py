@@ -426,3 +426,62 @@ def test_prefix_allowed_tokens_fn_gets_the_prompts_index_with_several_samples(ta
                                prefix_allowed_tokens_fn=lambda b, text: list(range(b % 2, VOCAB, 2)))
     generated = out.sequences[:, 3:]
     assert bool((generated[:2] % 2 == 0).all()) and bool((generated[2:] % 2 == 1).all())
+
+
+@pytest.mark.parametrize("mode", ["chains", "trees", "sampled trees", "draft vocabulary"])
+def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(target, monkeypatch, mode):
+    """With a repetition penalty as the only processor, rounds take the batched path; on every round of a
+    left-padded batch of 3 (chains of an oracle's drafts, forced trees with n-gram branches, sampled trees,
+    a head with a draft vocabulary) its logits, at the verified slots and at the head's drafted positions,
+    equal the per-slot processor calls' bit for bit; greedy output equals ``generate``'s."""
+    calls = {"round": 0, "drafts": 0}
+    round_of, for_drafts_of = generation.TargetLogitsProcessors.round, generation.TargetLogitsProcessors.for_drafts
+
+    def per_slot_too(call):
+        def compare(self, *args):
+            assert self.penalty is not None
+            batched = call(self, *args)
+            self.penalty, penalty = None, self.penalty
+            try:
+                assert torch.equal(batched, call(self, *args))
+            finally:
+                self.penalty = penalty
+            return batched
+        return compare
+
+    def checked_round(self, output, rows, ids, logits, tree=None):
+        calls["round"] += 1
+        return per_slot_too(round_of)(self, output, rows, ids, logits, tree)
+
+    def checked_drafts(self, output, rows):
+        process = for_drafts_of(self, output, rows)
+
+        def both(this, logits, vocab):
+            calls["drafts"] += 1
+            return process(logits, vocab)
+        return lambda logits, vocab: per_slot_too(both)(self, logits, vocab)
+
+    monkeypatch.setattr(generation.TargetLogitsProcessors, "round", checked_round)
+    monkeypatch.setattr(generation.TargetLogitsProcessors, "for_drafts", checked_drafts)
+    prompts = [[5, 6, 7, 5, 6, 20, 21, 5, 6], [9, 10, 11, 9, 10], [3]]
+    ids, mask = _left_padded(prompts)
+    common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None, repetition_penalty=1.5)
+    reference = target.generate(ids, attention_mask=mask, **common)
+    unpenalized = target.generate(ids, attention_mask=mask, **{**common, "repetition_penalty": 1.0})
+    assert not torch.equal(reference, unpenalized)
+    drafter = tiny_drafter(target, block_size=5).to(torch.float64)
+    policy = dict(verify_policy=ForcedTrees([(3, 4), (2, 2)]), block_size=10)
+    if mode == "chains":
+        drafter, policy = _oracle(target, reference, ids, mask), dict(adaptive=False)
+    elif mode == "draft vocabulary":
+        drafter.set_draft_vocab(list(range(0, VOCAB, 2)))
+    elif mode == "sampled trees":
+        common = {**common, "do_sample": True, "temperature": 1.5, "generator": torch.Generator().manual_seed(0)}
+    out = speculative_generate(target, drafter, ids, mask, **policy, **common)
+    assert calls["round"] > 3 and calls["drafts"] > (0 if mode == "chains" else 3)
+    if mode == "chains":
+        assert out.stats.accepted > 20
+    elif mode != "sampled trees":
+        assert out.stats.tree_rounds > 0
+    if not common["do_sample"]:
+        assert torch.equal(out.sequences[:, : reference.shape[1]], reference)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.utils import ModelOutput
 
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
@@ -159,7 +160,12 @@ class TargetLogitsProcessors:
     Transformers builds them (``_get_logits_processor``), once per row: built-in processors keep per-row
     state (the repetition penalty's padding length), and rows advance by different amounts, so a caller's
     own processors are called with one row at a time. A round costs one small call per row and slot and
-    one host read, only when some processor is on (``active``)."""
+    one host read, only when some processor is on (``active``).
+
+    A repetition penalty alone (the one processor users set most) takes a batched path instead: which
+    tokens each slot's text holds is one [n, w, V] mask (the row's prompt and committed tokens, and the
+    drafts on the slot's path), and the penalty is the processor's own arithmetic on it, so the logits
+    are bit for bit the processor's, in a few tensor operations per round and no host read."""
 
     def __init__(self, target, config: GenerationConfig, input_ids, attention_mask, max_new_tokens: int,
                  logits_processor=None, prefix_allowed_tokens_fn=None):
@@ -191,6 +197,44 @@ class TargetLogitsProcessors:
         first = for_row(0)
         self.active = len(first) > 0  # the same settings give every row the same processors, or none
         self.per_row = [first, *(for_row(i) for i in range(1, input_ids.shape[0]))] if self.active else []
+        self.penalty, self._prompt_seen = self._repetition_penalty_alone(input_ids)
+
+    def _repetition_penalty_alone(self, input_ids) -> tuple[float | None, torch.Tensor | None]:
+        """(penalty, [N, V + 1] bool: the tokens of each row's prompt that the penalty counts) when every
+        row's processors are exactly one ``RepetitionPenaltyLogitsProcessor`` of the same penalty, with a
+        padding length per row; else (None, None) and the general path. Column V absorbs what the
+        processor drops: ids past the vocabulary, and the ignored padding."""
+        vocab = self.vocab_size
+        if not self.per_row or any(len(row) != 1 or type(row[0]) is not RepetitionPenaltyLogitsProcessor
+                                   for row in self.per_row):
+            return None, None
+        penalty = self.per_row[0][0].penalty
+        ignore = []
+        for row in self.per_row:
+            processor = row[0]
+            length = processor.prompt_ignore_length
+            if (processor.penalty != penalty or getattr(processor, "logits_indices", None) is not None
+                    or (torch.is_tensor(length) and length.numel() != 1)):
+                return None, None
+            ignore.append(0 if length is None else int(length))
+        columns = torch.arange(input_ids.shape[1], device=input_ids.device)
+        ignored = columns[None] < torch.tensor(ignore, device=input_ids.device)[:, None]
+        ids = torch.where(ignored, vocab, input_ids.clamp(max=vocab))
+        seen = torch.zeros(input_ids.shape[0], vocab + 1, dtype=torch.bool, device=input_ids.device)
+        return penalty, seen.scatter_(1, ids, True)
+
+    def _seen(self, output: "_Output", rows: "_Rows") -> torch.Tensor:
+        """[n, V + 1] bool: the tokens of each running row's prompt and committed text (column V: none)."""
+        tokens = output.tokens[rows.index]
+        columns = torch.arange(tokens.shape[1], device=tokens.device)
+        unwritten = columns[None] >= output.count[rows.index][:, None]
+        ids = torch.where(unwritten, self.vocab_size, tokens.clamp(max=self.vocab_size))
+        return self._prompt_seen[rows.index].scatter(1, ids, True)
+
+    def _penalize(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """``RepetitionPenaltyLogitsProcessor``'s arithmetic where ``seen`` (broadcast to ``logits``)."""
+        penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+        return torch.where(seen, penalized, logits)
 
     def first(self, output: "_Output", logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] after the prompts -> processed."""
@@ -204,6 +248,10 @@ class TargetLogitsProcessors:
         penalty lowers the same tokens for both), never the output."""
 
         def process(logits: torch.Tensor, vocab: torch.Tensor | None) -> torch.Tensor:
+            if self.penalty is not None:
+                seen = self._seen(output, rows)
+                seen = seen[:, : self.vocab_size] if vocab is None else seen[:, vocab]
+                return self._penalize(logits, seen[:, None]).clamp_min(floor(logits))
             logits = logits.clone()
             full_vocab = self.vocab_size
             counts = output.count[rows.index].tolist()
@@ -215,9 +263,12 @@ class TargetLogitsProcessors:
                         scores = scores.new_full((1, full_vocab), float("-inf")).index_copy(1, vocab, scores)
                     scores = self.per_row[row](text, scores)
                     logits[r, position] = scores[0] if vocab is None else scores[0, vocab]
+            return logits.clamp_min(floor(logits))
+
+        def floor(logits: torch.Tensor) -> float:
             # A position the processors ban entirely (a draft vocabulary outside what they allow) must still
             # rank candidates: banned tokens keep a finite floor, far below every allowed one.
-            return logits.clamp_min(max(torch.finfo(torch.float32).min, torch.finfo(logits.dtype).min) / 2)
+            return max(torch.finfo(torch.float32).min, torch.finfo(logits.dtype).min) / 2
 
         return process
 
@@ -225,6 +276,15 @@ class TargetLogitsProcessors:
               tree: DraftTree | None = None) -> torch.Tensor:
         """ids [n, w]: the anchor and this round's drafts (a chain, or the slots of ``tree``); logits
         [n, w, V], slot j's the target's after ids[:, j] -> processed, slot by slot on its own prefix."""
+        if self.penalty is not None:
+            n, w = ids.shape
+            # slot j's text ends with the drafts on its path: slots 1..j of a chain, the ancestors of a tree slot
+            # (the anchor, slot 0, is committed text already)
+            on_path = (torch.ones(w, w, dtype=torch.bool, device=ids.device).tril().expand(n, w, w)
+                       if tree is None else tree.ancestry)
+            path_ids = torch.where(on_path, ids.clamp(max=self.vocab_size)[:, None, :], self.vocab_size)
+            seen = self._seen(output, rows)[:, None, :].expand(n, w, -1).scatter(2, path_ids, True)
+            return self._penalize(logits, seen[..., : self.vocab_size])
         logits = logits.clone()
         counts = output.count[rows.index].tolist()  # the committed tokens end with the anchor
         for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):
