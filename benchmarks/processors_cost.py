@@ -1,13 +1,16 @@
 """What logits processors cost the fast loop: greedy with a repetition penalty, against generate with it.
 
     python benchmarks/processors_cost.py [--prompts 4] [--new-tokens 128] [--repeats 3] [--repetition-penalty 1.2]
+                                         [--output STEM]
 
 Since session 31 the fast loop applies generate's logits processors at every verified slot, on that slot's
-own text (one small call per row and slot). Per prompt (MT-Bench and HumanEval, alternating), interleaved,
-greedy: ``generate`` and the fast loop, each with and without the penalty. Reports each speedup over
+own text; since session 34 a repetition penalty alone takes a batched path. Per prompt (MT-Bench and
+HumanEval, alternating), interleaved, greedy: ``generate`` and the fast loop, each with and without the
+penalty, and the fast loop with the penalty applied by one processor call per row and slot
+(``TargetLogitsProcessors.batched_penalty = False``, the path before session 34). Reports each speedup over
 ``generate`` with the same settings, tau, and whether the two texts with the penalty are the same (in bf16
 they may part at near-ties, as without it). Precision (``--dtype``, default ``auto``) and linear kernel as
-the demo. Writes benchmarks/results/processors_cost_<cpu kind>[_<dtype>].{json,md,png}.
+the demo. Writes benchmarks/results/<--output, default processors_cost_<cpu kind>[_<dtype>]>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -24,8 +27,18 @@ from _common import GREEDY, RESULTS, chart_grouped, cpu_kind, save, table  # noq
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
+from hf_dflash2.generation import TargetLogitsProcessors  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
+
+
+def per_slot(call):
+    """``call()`` with the penalty applied by one processor call per row and slot."""
+    TargetLogitsProcessors.batched_penalty = False
+    try:
+        return call()
+    finally:
+        TargetLogitsProcessors.batched_penalty = True
 
 
 def main() -> None:
@@ -35,6 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--repetition-penalty", type=float, default=1.2)
     parser.add_argument("--dtype", default="auto", help="auto (the demo's), bf16 or fp32 (exact texts)")
+    parser.add_argument("--output", default=None, help="file stem under benchmarks/results")
     args = parser.parse_args()
     if not args.repetition_penalty > 0:
         parser.error(f"--repetition-penalty must be > 0, got {args.repetition_penalty}")
@@ -52,6 +66,8 @@ def main() -> None:
             "generate + penalty": lambda: target.generate(ids, max_new_tokens=n, **GREEDY, **penalty),
             "fast + penalty": lambda: speculative_generate(target, head, ids, max_new_tokens=n, do_sample=False,
                                                            **penalty),
+            "fast + penalty, per slot": lambda: per_slot(
+                lambda: speculative_generate(target, head, ids, max_new_tokens=n, do_sample=False, **penalty)),
         }
         if i == 0:
             for fn in calls.values():
@@ -72,6 +88,7 @@ def main() -> None:
         rate = {m: statistics.median(t / s for t, s in zip(tokens[m], times[m])) for m in calls}
         rows.append({"prompt": prompt["id"], "generate + penalty tok/s": rate["generate + penalty"],
                      "fast + penalty / generate + penalty": rate["fast + penalty"] / rate["generate + penalty"],
+                     "per slot / generate + penalty": rate["fast + penalty, per slot"] / rate["generate + penalty"],
                      "fast / generate": rate["fast"] / rate["generate"],
                      "tau + penalty": tau["fast + penalty"], "tau": tau["fast"],
                      "same text + penalty": texts["fast + penalty"] == texts["generate + penalty"],
@@ -80,11 +97,12 @@ def main() -> None:
     summary = {
         "median fast + penalty / generate + penalty": statistics.median(
             r["fast + penalty / generate + penalty"] for r in rows),
+        "median per slot / generate + penalty": statistics.median(r["per slot / generate + penalty"] for r in rows),
         "median fast / generate": statistics.median(r["fast / generate"] for r in rows),
         "texts with the penalty equal to generate's": f"{sum(r['same text + penalty'] for r in rows)} of {len(rows)}",
         "texts without it equal to generate's": f"{sum(r['same text'] for r in rows)} of {len(rows)}",
     }
-    name = f"processors_cost_{cpu_kind()}" + ("" if args.dtype == "auto" else f"_{args.dtype}")
+    name = args.output or f"processors_cost_{cpu_kind()}" + ("" if args.dtype == "auto" else f"_{args.dtype}")
     command = " ".join(["python", *sys.argv])
     save(name, {"command": command, "dtype": str(target.dtype), "rows": rows, **summary})
     text = table(rows, list(rows[0])) + "\n\n" + "\n".join(
@@ -93,7 +111,9 @@ def main() -> None:
     chart_grouped([r["prompt"] for r in rows],
                   {"no processor": [r["fast / generate"] for r in rows],
                    f"repetition penalty {args.repetition_penalty}": [
-                       r["fast + penalty / generate + penalty"] for r in rows]},
+                       r["fast + penalty / generate + penalty"] for r in rows],
+                   f"repetition penalty {args.repetition_penalty}, per slot": [
+                       r["per slot / generate + penalty"] for r in rows]},
                   "fast loop / generate (same settings)", "greedy: what a logits processor costs the fast loop",
                   RESULTS / f"{name}.png")
     print(text)

@@ -167,6 +167,8 @@ class TargetLogitsProcessors:
     drafts on the slot's path), and the penalty is the processor's own arithmetic on it, so the logits
     are bit for bit the processor's, in a few tensor operations per round and no host read."""
 
+    batched_penalty = True  # False: the per-slot calls for a penalty too (benchmarks/processors_cost.py's A/B)
+
     def __init__(self, target, config: GenerationConfig, input_ids, attention_mask, max_new_tokens: int,
                  logits_processor=None, prefix_allowed_tokens_fn=None):
         plain = copy.deepcopy(config)
@@ -197,7 +199,8 @@ class TargetLogitsProcessors:
         first = for_row(0)
         self.active = len(first) > 0  # the same settings give every row the same processors, or none
         self.per_row = [first, *(for_row(i) for i in range(1, input_ids.shape[0]))] if self.active else []
-        self.penalty, self._prompt_seen = self._repetition_penalty_alone(input_ids)
+        self.penalty, self._prompt_seen = (self._repetition_penalty_alone(input_ids) if self.batched_penalty
+                                           else (None, None))
 
     def _repetition_penalty_alone(self, input_ids) -> tuple[float | None, torch.Tensor | None]:
         """(penalty, [N, V + 1] bool: the tokens of each row's prompt that the penalty counts) when every
