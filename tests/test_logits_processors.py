@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
@@ -485,3 +486,58 @@ def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(ta
         assert out.stats.tree_rounds > 0
     if not common["do_sample"]:
         assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
+
+
+class PenaltySubclass(generation.RepetitionPenaltyLogitsProcessor):
+    """A caller's variant of the penalty: not the processor the batched path reproduces."""
+
+
+@pytest.mark.parametrize("ignore, batched", [
+    (None, True), (4, True), (torch.tensor([2]), True), (0, True),
+    (6, False),  # past the prompt: the processor also ignores committed tokens
+    (torch.tensor([6]), False), (np.int64(3), False),  # np.int64: the processor ignores nothing
+    ("subclass", False),
+])
+def test_the_batched_penalty_is_taken_only_where_it_equals_the_processor(ignore, batched):
+    """A caller's own ``RepetitionPenaltyLogitsProcessor`` (shared by the rows) with ``prompt_ignore_length``
+    values the processor reads otherwise than as prompt columns, or a subclass, keeps the per-slot path; the
+    rest take the batched one. Either way, a chain round, a tree round and the drafts' hook on running row 1
+    alone of a batch of 2 give the per-slot logits bit for bit."""
+    from hf_dflash2.draft_tree import ancestry_of
+
+    target = tiny_target(vocab_size=48)
+    prompts = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    mask = torch.ones_like(prompts)
+    processor = (PenaltySubclass(1.4) if ignore == "subclass"
+                 else generation.RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=ignore))
+    processors = generation.TargetLogitsProcessors(target, GenerationConfig(), prompts, mask, 16,
+                                                   LogitsProcessorList([processor]))
+    assert (processors.penalty is not None) == batched
+    output = generation._Output(prompts, mask, 16, 6, 0, torch.empty(0, dtype=torch.long))
+    everyone = generation._Rows(torch.arange(2), torch.tensor([3, 4]), torch.tensor([4, 4]), torch.zeros(2, dtype=bool))
+    output.commit(everyone, torch.tensor([[20, 21, 9], [30, 10, 31]]), torch.tensor([3, 3]))
+    row_1 = everyone.select(torch.tensor([1]))
+    parent = torch.tensor([[0, 0, 1, 0, 2]])
+    tree = generation.DraftTree(torch.tensor([[32, 10, 33, 11]]), torch.tensor([[0, 1, 2, 1, 3]]), parent,
+                                ancestry_of(parent), 4, 0, torch.zeros(1, dtype=torch.long),
+                                torch.zeros(1, dtype=torch.long))
+    chain = torch.tensor([[31, 12, 30, 40]])
+    tree_ids = torch.cat([torch.tensor([[31]]), tree.tokens], dim=1)
+    logits = torch.randn(1, 4, 48, generator=torch.Generator().manual_seed(0))
+    drafts = torch.randn(1, 3, 48, generator=torch.Generator().manual_seed(1))
+    penalty = processors.penalty
+
+    def both(call):
+        processors.penalty = penalty
+        first = call()
+        processors.penalty = None
+        return first, call()
+
+    tree_logits = torch.cat([logits, logits[:, :1]], 1)
+    calls = [(lambda: processors.round(output, row_1, chain, logits), logits),
+             (lambda: processors.round(output, row_1, tree_ids, tree_logits, tree), tree_logits),
+             (lambda: processors.for_drafts(output, row_1)(drafts, None), drafts)]
+    for call, raw in calls:
+        first, second = both(call)
+        assert torch.equal(first, second)
+        assert not torch.equal(first, raw)  # the penalty acted

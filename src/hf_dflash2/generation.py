@@ -163,7 +163,7 @@ class TargetLogitsProcessors:
     one host read, only when some processor is on (``active``).
 
     A repetition penalty alone (the one processor users set most) takes a batched path instead: which
-    tokens each slot's text holds is one [n, w, V] mask (the row's prompt and committed tokens, and the
+    tokens each slot's text holds is one [n, w, V + 1] mask (the row's prompt and committed tokens, and the
     drafts on the slot's path), and the penalty is the processor's own arithmetic on it, so the logits
     are bit for bit the processor's, in a few tensor operations per round and no host read."""
 
@@ -216,10 +216,16 @@ class TargetLogitsProcessors:
         for row in self.per_row:
             processor = row[0]
             length = processor.prompt_ignore_length
+            if torch.is_tensor(length) and length.numel() == 1 and not length.is_floating_point():
+                length = int(length)
+            # Only a padding length within the prompt is a set of prompt columns; the processor reads any
+            # other value (longer, or of another type) against the whole text, so the per-slot path keeps it.
+            if length is None:
+                length = 0
             if (processor.penalty != penalty or getattr(processor, "logits_indices", None) is not None
-                    or (torch.is_tensor(length) and length.numel() != 1)):
+                    or type(length) is not int or not 0 <= length <= input_ids.shape[1]):
                 return None, None
-            ignore.append(0 if length is None else int(length))
+            ignore.append(length)
         columns = torch.arange(input_ids.shape[1], device=input_ids.device)
         ignored = columns[None] < torch.tensor(ignore, device=input_ids.device)[:, None]
         ids = torch.where(ignored, vocab, input_ids.clamp(max=vocab))
@@ -281,8 +287,8 @@ class TargetLogitsProcessors:
         [n, w, V], slot j's the target's after ids[:, j] -> processed, slot by slot on its own prefix."""
         if self.penalty is not None:
             n, w = ids.shape
-            # slot j's text ends with the drafts on its path: slots 1..j of a chain, the ancestors of a tree slot
-            # (the anchor, slot 0, is committed text already)
+            # slot j's text ends with the slots on its path: 0..j of a chain, a tree slot's ancestors and itself;
+            # slot 0, the anchor, is the last committed token, so marking it again changes nothing
             on_path = (torch.ones(w, w, dtype=torch.bool, device=ids.device).tril().expand(n, w, w)
                        if tree is None else tree.ancestry)
             path_ids = torch.where(on_path, ids.clamp(max=self.vocab_size)[:, None, :], self.vocab_size)
