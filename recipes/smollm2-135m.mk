@@ -473,7 +473,7 @@ finetune-smollm2-s33: store-smollm2-s33
 # did not decode under a penalty, so record ids do not collide), appended to a copy of session 33's store; the
 # committed head fine-tuned on the mix for S34_STEPS steps; then held-out tau with and without the penalty.
 S34_RECORDS ?= 1024
-S34_STEPS ?= 1500
+S34_STEPS ?= 800
 S34_NAME ?= s34_mix
 regenerate-smollm2-s34: setup
 	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s34_plain.jsonl --skip $$((5120 + $(S33_RECORDS))) \
