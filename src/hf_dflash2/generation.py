@@ -149,6 +149,12 @@ def _acts(name: str, value, config: GenerationConfig) -> bool:
     return True
 
 
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``RepetitionPenaltyLogitsProcessor``'s arithmetic on the tokens ``seen`` marks (a bool mask that
+    broadcasts to ``logits``): a logit is divided by ``penalty``, or multiplied where it is negative."""
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
 class TargetLogitsProcessors:
     """``generate``'s logits processors that read the text so far (repetition penalty, no-repeat n-grams,
     bad words, minimum lengths, suppressed or forced tokens, a caller's ``logits_processor`` list), applied
@@ -240,10 +246,6 @@ class TargetLogitsProcessors:
         ids = torch.where(unwritten, self.vocab_size, tokens.clamp(max=self.vocab_size))
         return self._prompt_seen[rows.index].scatter(1, ids, True)
 
-    def _penalize(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-        """``RepetitionPenaltyLogitsProcessor``'s arithmetic where ``seen`` (broadcast to ``logits``)."""
-        penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-        return torch.where(seen, penalized, logits)
 
     def first(self, output: "_Output", logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] after the prompts -> processed."""
@@ -260,7 +262,7 @@ class TargetLogitsProcessors:
             if self.penalty is not None:
                 seen = self._seen(output, rows)
                 seen = seen[:, : self.vocab_size] if vocab is None else seen[:, vocab]
-                return self._penalize(logits, seen[:, None]).clamp_min(floor(logits))
+                return apply_repetition_penalty(logits, seen[:, None], self.penalty).clamp_min(floor(logits))
             logits = logits.clone()
             full_vocab = self.vocab_size
             counts = output.count[rows.index].tolist()
@@ -293,7 +295,7 @@ class TargetLogitsProcessors:
                        if tree is None else tree.ancestry)
             path_ids = torch.where(on_path, ids.clamp(max=self.vocab_size)[:, None, :], self.vocab_size)
             seen = self._seen(output, rows)[:, None, :].expand(n, w, -1).scatter(2, path_ids, True)
-            return self._penalize(logits, seen[..., : self.vocab_size])
+            return apply_repetition_penalty(logits, seen[..., : self.vocab_size], self.penalty)
         logits = logits.clone()
         counts = output.count[rows.index].tolist()  # the committed tokens end with the anchor
         for r, (row, count) in enumerate(zip(rows.index.tolist(), counts)):

@@ -25,6 +25,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
+from ..generation import apply_repetition_penalty
 from ..speculative_dflash2 import last_position
 
 
@@ -134,9 +135,7 @@ def decode_batch(
         seen = seen[:, :-1]
     for step in range(max_new_tokens):
         if seen is not None:  # in float32, where generate applies its processors
-            logits = logits.float()
-            penalized = torch.where(logits < 0, logits * repetition_penalty, logits / repetition_penalty)
-            logits = torch.where(seen, penalized, logits)
+            logits = apply_repetition_penalty(logits.float(), seen, repetition_penalty)
         if do_sample:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
