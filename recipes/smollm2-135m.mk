@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -371,10 +371,12 @@ store-smollm2-s26: regenerate-smollm2-s26
 
 # $(call finetune_committed,STORE,RUN,EXTRA): session 26's fine-tune of the committed head (argmax labels, a
 # moving average), then both exports; EXTRA adds train options.
+# The committed head's taps; a run tapping more (a superset) starts the new taps' fc columns at zero.
+FINETUNE_TAPS ?= 1,7,14,20,27
 define finetune_committed
 	$(VENV)/bin/hf-dflash2 train --store $(1) --init-from heads/smollm2-135m-dflash2 --max-length 832 \
 		--output $(2) --steps $(S26_STEPS) \
-		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids 1,7,14,20,27 \
+		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids $(FINETUNE_TAPS) \
 		--ema-decay 0.998 $(3) --resume
 	$(PY) -m hf_dflash2.training.export $(2) $(2)/export
 	$(PY) -m hf_dflash2.training.export $(2) $(2)/export_ema --ema
@@ -503,3 +505,22 @@ S34_ARM ?= kl
 arm-smollm2-s34: S26_STEPS = $(S33_STEPS)
 arm-smollm2-s34: store-smollm2-s33
 	$(call finetune_committed,data/store_s33_penalty,runs/finetune_s34_penalty_$(S34_ARM),--label-source $(S34_ARM))
+
+# Session 35: does the head gain from the target's last state, the normed one its LM head reads (hidden_states
+# index 30, tapped as layer 29), as a sixth tap? One store over session 34's plain text keeps layers
+# 1,7,14,20,27,29; two arms from the committed head with the same data, steps and seed: its own five taps
+# (S35_ARM=five, the control) and all six (S35_ARM=six: the new tap's fc columns start at zero, so the arm
+# starts as the committed head). Held-out tau on prompt slices 0-2 decides.
+S35_STEPS ?= 800
+S35_ARM ?= six
+S35_TAPS_five := 1,7,14,20,27
+S35_TAPS_six := 1,7,14,20,27,29
+store-smollm2-s35: regenerate-smollm2-s34
+	$(VENV)/bin/hf-dflash2 store --output data/store_s35_taps --max-tokens 3000000 \
+		--source data/regen_sharegpt_s34_plain.jsonl,data/regen_code_s34_plain.jsonl \
+		--target-layer-ids $(S35_TAPS_six) --max-length 832
+
+arm-smollm2-s35: S26_STEPS = $(S35_STEPS)
+arm-smollm2-s35: FINETUNE_TAPS = $(S35_TAPS_$(S35_ARM))
+arm-smollm2-s35: store-smollm2-s35
+	$(call finetune_committed,data/store_s35_taps,runs/taps_s35_$(S35_ARM),)

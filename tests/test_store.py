@@ -409,6 +409,26 @@ def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source, fres
         Trainer(target, drafter, records, TrainingConfig(output_dir=str(tmp_path / "x"), label_source="kl"))
 
 
+def test_a_head_tapping_some_of_the_stores_layers_reads_their_columns(tmp_path):
+    """One store serves heads that tap a subset of its layers, in the head's own order: the features a
+    trainer reads equal the target's own states at those layers. A layer the store lacks is refused by name."""
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=3)
+    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)))
+    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=[4, 1])
+    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=1, batch_size=1)
+    trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
+    for index, sequence in enumerate(trainer.sequences):
+        record = records[sequence["store_index"]]
+        with torch.no_grad():
+            states = target(input_ids=torch.tensor([record["input_ids"]]), output_hidden_states=True).hidden_states
+        expected = tapped_features(states, [4, 1]).to(torch.bfloat16).float()
+        assert torch.allclose(trainer.sequence_item(index)["features"].float(), expected, rtol=1e-2, atol=1e-2)
+    outside = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=[1, 2])
+    with pytest.raises(ValueError, match=re.escape("the store keeps only [1, 3, 4] (not [2])")):
+        Trainer(target, outside, store_sequences(store, 512), config, store=store)
+
+
 def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_labels(tmp_path):
     from hf_dflash2.training.trainer import final_hidden_for_blocks, target_labels_for_blocks
 

@@ -184,6 +184,33 @@ def test_init_from_grows_a_head_that_computes_what_it_computed(tmp_path):
         grown_drafter_weights({}, 3, 2)
 
 
+def test_init_from_widens_a_heads_taps_and_it_computes_what_it_computed(tmp_path):
+    """A run that taps more target layers than its source head starts from the head with the new taps'
+    ``fc`` columns at zero: the same loss on the same blocks; training then gives them weight. A run that
+    would drop one of the source's taps is refused, and so is widening from a checkpoint (its feature scale
+    covers the source's taps only)."""
+    source = make_trainer(tmp_path / "a", steps=4, target_layer_ids=[1, 4])
+    source.train()
+    head = source.save_head(tmp_path / "head")
+    reference = source.sequence_loss(0, 1000)[0].item()
+    widened = make_trainer(tmp_path / "w", steps=3, target_layer_ids=[1, 2, 4])
+    assert abs(widened.sequence_loss(0, 1000)[0].item() - reference) > 1e-4
+    widened.initialize_from(head)
+    assert widened.sequence_loss(0, 1000)[0].item() == pytest.approx(reference, rel=1e-5, abs=1e-6)
+    hidden = widened.accelerator.unwrap_model(widened.drafter).config.hidden_size
+    new_columns = slice(hidden, 2 * hidden)  # tap 2 sits between the source's taps 1 and 4
+    fc = widened.accelerator.unwrap_model(widened.drafter).fc.weight
+    assert not fc[:, new_columns].any() and fc[:, 2 * hidden :].any()
+    widened.train()
+    assert widened.accelerator.unwrap_model(widened.drafter).fc.weight[:, new_columns].any()  # they learn
+    dropping = make_trainer(tmp_path / "d", steps=3, target_layer_ids=[1, 2])
+    with pytest.raises(ValueError, match=re.escape("cannot widen taps [1, 4] to [1, 2]: [4] would be dropped")):
+        dropping.initialize_from(head)
+    from_run = make_trainer(tmp_path / "r", steps=3, target_layer_ids=[1, 2, 4])
+    with pytest.raises(ValueError, match=re.escape("its target_layer_ids is [1, 4], this run's is [1, 2, 4]")):
+        from_run.initialize_from(tmp_path / "a")
+
+
 def test_init_from_prunes_the_selector_to_a_smaller_rank(tmp_path):
     """A run with a smaller selector rank keeps the source's strongest coordinates: coordinates whose
     successor column is zero add nothing, so when exactly those are dropped the loss is unchanged, and a

@@ -379,8 +379,12 @@ def cmd_train(args) -> int:
             else ""
         )
         layer_ids = store.meta.target_layer_ids
-        if args.target_layer_ids and _layer_ids(args.target_layer_ids) != layer_ids:
-            raise SystemExit(f"--target-layer-ids {args.target_layer_ids} differ from the store's {layer_ids}")
+        if args.target_layer_ids:  # a head may tap some of the store's layers (arms on the same text)
+            chosen = _layer_ids(args.target_layer_ids)
+            if not set(chosen) <= set(layer_ids) or len(set(chosen)) != len(chosen):
+                raise SystemExit(f"--target-layer-ids {args.target_layer_ids}: the store {args.store} keeps "
+                                 f"layers {layer_ids}; choose distinct layers among them")
+            layer_ids = chosen
     else:
         sequences = load_sequences(args.data, args.max_length)
         layer_ids = _layer_ids(args.target_layer_ids)
@@ -504,7 +508,9 @@ def _register_train(sub) -> None:
     p.add_argument("--selector-rank", type=int, default=256, help="rank of the path selector's K x K pair scores")
     p.add_argument("--selector-top-k", type=int, default=16,
                    help="candidates per position the selector chooses among (K)")
-    p.add_argument("--target-layer-ids", default=None, help="comma-separated tapped layers (default: evenly spaced)")
+    p.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated tapped layers (default: evenly spaced; with --store, the store's, or some of "
+                   "them; with --init-from a head tapping a subset, its new taps start at zero)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
     p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
     p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (the cosine schedule's length)")

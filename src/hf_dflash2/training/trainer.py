@@ -294,6 +294,32 @@ def pruned_selector_weights(weights: dict[str, torch.Tensor], rank: int) -> dict
     return pruned
 
 
+def tap_columns(stored: list[int], used: list[int], hidden_size: int) -> torch.Tensor | None:
+    """Feature columns of a store tapped at ``stored`` layers that a head tapping ``used`` reads, in the
+    head's order (``tapped_features`` concatenates its taps so), or None when the two are the same. Why: one
+    store serves heads that tap fewer of its layers, so arms that differ only in their taps see the same text."""
+    if list(used) == list(stored):
+        return None
+    missing = [i for i in used if i not in stored]
+    if missing:
+        raise ValueError(f"the head taps layers {list(used)}, the store keeps only {list(stored)} (not {missing})")
+    return torch.tensor([stored.index(i) * hidden_size + c for i in used for c in range(hidden_size)])
+
+
+def widened_fc_weight(weight: torch.Tensor, source_taps: list[int], taps: list[int], hidden_size: int) -> torch.Tensor:
+    """``fc.weight`` [H, len(source_taps) * H] of a head, laid out for a head that taps ``taps`` (a superset):
+    each source tap's columns move to its place among ``taps`` and the new taps' columns are zero, so the
+    widened head computes exactly what the source computed and training decides what the new layers add."""
+    missing = [i for i in source_taps if i not in taps]
+    if missing:
+        raise ValueError(f"cannot widen taps {list(source_taps)} to {list(taps)}: {missing} would be dropped")
+    widened = weight.new_zeros(weight.shape[0], len(taps) * hidden_size)
+    for j, layer in enumerate(source_taps):
+        k = taps.index(layer)
+        widened[:, k * hidden_size : (k + 1) * hidden_size] = weight[:, j * hidden_size : (j + 1) * hidden_size]
+    return widened
+
+
 class Trainer:
     def __init__(
         self,
@@ -318,6 +344,8 @@ class Trainer:
             )
         self.config = config
         self.store = store
+        self._store_columns = None if store is None else tap_columns(
+            store.meta.target_layer_ids, drafter.config.target_layer_ids, store.meta.hidden_size)
         self.accelerator = accelerator or Accelerator(
             mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available()
         )
@@ -477,6 +505,8 @@ class Trainer:
         item = self.store[sequence["store_index"]]
         length = sequence["num_tokens"]
         item = {name: value[:length] if torch.is_tensor(value) else value for name, value in item.items()}
+        if self._store_columns is not None:
+            item["features"] = item["features"].index_select(-1, self._store_columns)
         item["features"] = item["features"][None]
         return item
 
@@ -681,7 +711,14 @@ class Trainer:
             raise ValueError(f"--init-from {folder}: not a saved head ({type(error).__name__}: {error})") from None
         weights = {name: tensor.detach().clone() for name, tensor in head.state_dict().items()}
         weights = self._grown(folder, head.config.to_dict(), weights)
-        self._check_source_shape(folder, head.config.to_dict(), weights)
+        taps = self.accelerator.unwrap_model(self.drafter).config.target_layer_ids
+        widened = head.config.target_layer_ids != taps
+        if widened:  # before the check: a widened head has this run's shape
+            weights["fc.weight"] = widened_fc_weight(weights["fc.weight"], head.config.target_layer_ids, taps,
+                                                     head.config.hidden_size)
+            logger.info("--init-from %s: its taps %s widened to %s (the new taps' fc columns start at zero)",
+                        folder, head.config.target_layer_ids, taps)
+        self._check_source_shape(folder, head.config.to_dict(), weights, widened_taps=widened)
         if self.feature_scale is not None:  # in fp32: a bf16 head's fc is not rounded a second time
             weights["fc.weight"] = weights["fc.weight"].float() * self.feature_scale.float().cpu()[None]
         drafter = self.accelerator.unwrap_model(self.drafter)
@@ -711,7 +748,7 @@ class Trainer:
             weights = pruned_selector_weights(weights, mine)
         return weights
 
-    def _check_source_shape(self, path: Path, source_config: dict, weights: dict) -> None:
+    def _check_source_shape(self, path: Path, source_config: dict, weights: dict, widened_taps: bool = False) -> None:
         drafter = self.accelerator.unwrap_model(self.drafter)
         ours = drafter.config.to_dict()
         for name in ("target_layer_ids", "block_size", "hidden_size", "vocab_size", "num_hidden_layers"):
@@ -719,6 +756,8 @@ class Trainer:
             mine = ours.get(name, (ours.get("dflash_config") or {}).get(name))
             if name == "num_hidden_layers" and isinstance(theirs, int) and theirs < mine:
                 continue  # grown by _grown
+            if name == "target_layer_ids" and widened_taps:
+                continue  # widened by _initialize_from_head
             if theirs != mine:
                 raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}")
         expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
