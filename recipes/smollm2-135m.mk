@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -524,3 +524,17 @@ arm-smollm2-s35: S26_STEPS = $(S35_STEPS)
 arm-smollm2-s35: FINETUNE_TAPS = $(S35_TAPS_$(S35_ARM))
 arm-smollm2-s35: store-smollm2-s35
 	$(call finetune_committed,data/store_s35_taps,runs/taps_s35_$(S35_ARM),)
+
+# Session 35: the mean of the committed head and the three penalty-aware fine-tunes of sessions 33-34
+# (their moving averages: session 33's argmax run, session 34's KL-label arm and its mix), held-out tau with and
+# without the penalty on slices 0-2, and without it on slices 3-9 (the committed head beside it there).
+S35_SOUP := heads/smollm2-135m-dflash2 runs/finetune_s33_penalty/export_ema runs/finetune_s34_penalty_kl/export_ema \
+	runs/finetune_s34_mix/export_ema
+soup-smollm2-s35: setup
+	$(VENV)/bin/hf-dflash2 average $(S35_SOUP) --output runs/soup_s35/four
+	for slice in 0 1 2; do for penalty in 1.0 1.2; do $(PY) benchmarks/heldout_tau.py runs/soup_s35/four \
+		--prompts 16 --tokens 64 --prompt-slice $$slice --repetition-penalty $$penalty \
+		--output benchmarks/results/heldout_tau_round35_soup_slice$${slice}_penalty$$penalty.json || exit 1; done; done
+	for slice in 3 4 5 6 7 8 9; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/soup_s35/four \
+		--prompts 16 --tokens 64 --prompt-slice $$slice --repetition-penalty 1.0 \
+		--output benchmarks/results/heldout_tau_round35_soup_slice$${slice}_penalty1.0.json || exit 1; done
