@@ -204,10 +204,12 @@ def test_init_from_widens_a_heads_taps_and_it_computes_what_it_computed(tmp_path
     widened.train()
     assert widened.accelerator.unwrap_model(widened.drafter).fc.weight[:, new_columns].any()  # they learn
     dropping = make_trainer(tmp_path / "d", steps=3, target_layer_ids=[1, 2])
-    with pytest.raises(ValueError, match=re.escape("cannot widen taps [1, 4] to [1, 2]: [4] would be dropped")):
+    with pytest.raises(ValueError, match=re.escape(f"--init-from {head}: cannot widen taps [1, 4] to [1, 2]: [4] would "
+                                                   "be dropped")):
         dropping.initialize_from(head)
     from_run = make_trainer(tmp_path / "r", steps=3, target_layer_ids=[1, 2, 4])
-    with pytest.raises(ValueError, match=re.escape("its target_layer_ids is [1, 4], this run's is [1, 2, 4]")):
+    with pytest.raises(ValueError, match=re.escape("its target_layer_ids is [1, 4], this run's is [1, 2, 4] (a head's "
+                                                   "taps widen from its exported head folder only)")):
         from_run.initialize_from(tmp_path / "a")
 
 

@@ -714,10 +714,14 @@ class Trainer:
         taps = self.accelerator.unwrap_model(self.drafter).config.target_layer_ids
         widened = head.config.target_layer_ids != taps
         if widened:  # before the check: a widened head has this run's shape
-            weights["fc.weight"] = widened_fc_weight(weights["fc.weight"], head.config.target_layer_ids, taps,
-                                                     head.config.hidden_size)
-            logger.info("--init-from %s: its taps %s widened to %s (the new taps' fc columns start at zero)",
-                        folder, head.config.target_layer_ids, taps)
+            try:
+                weights["fc.weight"] = widened_fc_weight(weights["fc.weight"], head.config.target_layer_ids, taps,
+                                                         head.config.hidden_size)
+            except ValueError as error:
+                raise ValueError(f"--init-from {folder}: {error}") from None
+            # a warning: with --store and no --target-layer-ids a run takes all the store's taps
+            logger.warning("--init-from %s: its taps %s widened to %s (the new taps' fc columns start at zero)",
+                           folder, head.config.target_layer_ids, taps)
         self._check_source_shape(folder, head.config.to_dict(), weights, widened_taps=widened)
         if self.feature_scale is not None:  # in fp32: a bf16 head's fc is not rounded a second time
             weights["fc.weight"] = weights["fc.weight"].float() * self.feature_scale.float().cpu()[None]
@@ -759,7 +763,8 @@ class Trainer:
             if name == "target_layer_ids" and widened_taps:
                 continue  # widened by _initialize_from_head
             if theirs != mine:
-                raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}")
+                hint = " (a head's taps widen from its exported head folder only)" if name == "target_layer_ids" else ""
+                raise ValueError(f"--init-from {path}: its {name} is {theirs}, this run's is {mine}{hint}")
         expected = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
         given = {name: tuple(t.shape) for name, t in weights.items()}
         if given != expected:  # load_state_dict would copy what matches before it raised
