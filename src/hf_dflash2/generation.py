@@ -246,7 +246,6 @@ class TargetLogitsProcessors:
         ids = torch.where(unwritten, self.vocab_size, tokens.clamp(max=self.vocab_size))
         return self._prompt_seen[rows.index].scatter(1, ids, True)
 
-
     def first(self, output: "_Output", logits: torch.Tensor) -> torch.Tensor:
         """logits [N, V] after the prompts -> processed."""
         return torch.cat([processors(output.text(i, 0)[None], logits[i : i + 1])

@@ -314,9 +314,8 @@ def widened_fc_weight(weight: torch.Tensor, source_taps: list[int], taps: list[i
     if missing:
         raise ValueError(f"cannot widen taps {list(source_taps)} to {list(taps)}: {missing} would be dropped")
     widened = weight.new_zeros(weight.shape[0], len(taps) * hidden_size)
-    for j, layer in enumerate(source_taps):
-        k = taps.index(layer)
-        widened[:, k * hidden_size : (k + 1) * hidden_size] = weight[:, j * hidden_size : (j + 1) * hidden_size]
+    columns = tap_columns(taps, source_taps, hidden_size)  # where each source column sits among the run's
+    widened[:, slice(None) if columns is None else columns] = weight
     return widened
 
 
