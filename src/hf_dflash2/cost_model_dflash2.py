@@ -96,7 +96,8 @@ from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_
 
 TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
-COST_MODEL_VERSION = 3  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block
+COST_MODEL_VERSION = 4  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
+# 4: keyed by the target's attention implementation (the fast loop runs attention.packed_gqa_sdpa)
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:
@@ -142,7 +143,8 @@ def _config_hash(config) -> str:
 
 
 def cost_key(target, drafter, batch_size: int, block_size: int, context_length: int) -> dict:
-    """What a measurement depends on: machine, dtype, threads, the target's and the drafter's shapes."""
+    """What a measurement depends on: machine, dtype, threads, the target's and the drafter's shapes, and
+    the target's attention implementation."""
     device = next(target.parameters()).device
     vocab = drafter.draft_vocab
     return {
@@ -156,6 +158,7 @@ def cost_key(target, drafter, batch_size: int, block_size: int, context_length: 
         "drafter_config": _config_hash(drafter.config),
         "draft_vocab": None if vocab is None else int(vocab.numel()),
         "linear_kernel": f"{linear_kernel_of(target)}/{linear_kernel_of(drafter)}",
+        "attention": getattr(target.config, "_attn_implementation", None),
         "batch_size": int(batch_size),
         "block_size": int(block_size),
         "context_length": int(context_length),
@@ -290,7 +293,7 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
     # Per-call fast path (hashing configs costs milliseconds): the same objects, dtype, device and shape.
     quick = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
              block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()),
-             linear_kernel_of(target), linear_kernel_of(drafter))
+             linear_kernel_of(target), linear_kernel_of(drafter), getattr(target.config, "_attn_implementation", None))
     remembered = None if refresh else _recall(_MEMORY, quick, target, drafter)
     if remembered is not None:
         return remembered

@@ -35,15 +35,17 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .attention import PACKED_GQA_SDPA
+
 TREE_TOP_K = 16  # candidates per position a DFlash-1 head's tree ranks (dFlash 2: its selector's K)
 
 
 def supports_trees(target, cache) -> bool:
-    """Whether this target and cache can verify a tree: a custom 4-D mask needs SDPA or eager attention
-    and no sliding window (the mask replaces Transformers' own), and moving the path needs plain
+    """Whether this target and cache can verify a tree: a custom 4-D mask needs SDPA (Transformers' or
+    ``attention.packed_gqa_sdpa``) or eager attention and no sliding window (the mask replaces Transformers' own), and moving the path needs plain
     ``DynamicLayer`` caches."""
     config = target.config.get_text_config()
-    if getattr(target.config, "_attn_implementation", None) not in ("sdpa", "eager"):
+    if getattr(target.config, "_attn_implementation", None) not in ("sdpa", PACKED_GQA_SDPA, "eager"):
         return False
     if getattr(config, "sliding_window", None) is not None and any(
         kind != "full_attention" for kind in (getattr(config, "layer_types", None) or ["sliding"])

@@ -31,6 +31,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 from transformers.utils import ModelOutput
 
+from .attention import packed_gqa_attention
 from .cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
 from .draft_tree import (
     DraftTree,
@@ -869,6 +870,7 @@ def speculative_generate(
     logits_processor: LogitsProcessorList | None = None,
     stopping_criteria: StoppingCriteriaList | None = None,
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
+    packed_attention: bool = True,
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -910,6 +912,9 @@ def speculative_generate(
     head's likeliest continuations and the n-gram's chain as branches of one forward and keep
     the path accepted furthest (``stats.tree_rounds``; ``draft_tree=False``: one chain per row). When
     sampling, the target draws its token at every slot and the path follows the draws (still lossless).
+    ``packed_attention`` (default): a target on ``sdpa`` with grouped-query attention runs
+    ``attention.packed_gqa_sdpa`` during the call (the same attention without copying keys and values per
+    query head; its cost model is measured and cached under it), and is put back on ``sdpa`` after.
     """
     check_ngram_size(ngram_size)
     check_input_ids(input_ids)
@@ -966,48 +971,49 @@ def speculative_generate(
     # the processors in force change which drafts pass: calls under other processors calibrate apart
     settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
                     tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
-    policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
-                               reproducible=do_sample, settings_key=settings_key)
+    with packed_gqa_attention(target, packed_attention):
+        policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
+                                   reproducible=do_sample, settings_key=settings_key)
 
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor,
-                                        prefix_allowed_tokens_fn)
-    processors = processors if processors.active else None
-    sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
-    token_scores = None
-    if want_scores or want_logits:
-        token_scores = _TokenScores(n_rows, max_new_tokens, target.get_output_embeddings().weight.shape[0], device,
-                                    want_scores, want_logits)
-    deadline = time.monotonic() + config.max_time if config.max_time is not None else None
-    cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
-                                          input_ids.shape[1] + max_new_tokens + 2 * block_size)
-    eos = _eos_tensor(config.eos_token_id, device)
-    criteria = StoppingCriteriaList(stopping_criteria) if stopping_criteria else None  # a plain list too
-    output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
-                     criteria)
-    output.token_scores = token_scores
-    raw_logits = last_logits
-    if processors is not None:
-        last_logits = processors.first(output, last_logits)
-    anchor = sampler.pick(last_logits)
-    running = torch.zeros(n_rows, dtype=torch.bool, device=device)
-    rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
-    first = torch.ones_like(anchor)
-    if token_scores is not None:  # before the commit, as in every round
-        spans = token_scores.record(rows, torch.zeros_like(anchor), first, raw_logits[:, None],
-                                    sampler.warp(last_logits)[:, None] if want_scores else None)
-    written, _, rows.finished = output.commit(rows, anchor[:, None], first)
-    if token_scores is not None:
-        token_scores.trim(spans, written)
-    if streamer is not None:
-        streamer.put(input_ids[0].cpu())
-        streamer.put(anchor.cpu())
-    trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
-    speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
-                       ngram_size, trees, processors, deadline, token_scores)
-    if streamer is not None:
-        streamer.end()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor,
+                                            prefix_allowed_tokens_fn)
+        processors = processors if processors.active else None
+        sampler = _Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
+        token_scores = None
+        if want_scores or want_logits:
+            token_scores = _TokenScores(n_rows, max_new_tokens, target.get_output_embeddings().weight.shape[0], device,
+                                        want_scores, want_logits)
+        deadline = time.monotonic() + config.max_time if config.max_time is not None else None
+        cache, context, last_logits = prefill(target, drafter, input_ids, attention_mask,
+                                              input_ids.shape[1] + max_new_tokens + 2 * block_size)
+        eos = _eos_tensor(config.eos_token_id, device)
+        criteria = StoppingCriteriaList(stopping_criteria) if stopping_criteria else None  # a plain list too
+        output = _Output(input_ids, attention_mask, max_new_tokens, block_size, pad_token_id, eos, stop_strings,
+                         criteria)
+        output.token_scores = token_scores
+        raw_logits = last_logits
+        if processors is not None:
+            last_logits = processors.first(output, last_logits)
+        anchor = sampler.pick(last_logits)
+        running = torch.zeros(n_rows, dtype=torch.bool, device=device)
+        rows = _Rows(torch.arange(n_rows, device=device), anchor, attention_mask.long().sum(-1), running)
+        first = torch.ones_like(anchor)
+        if token_scores is not None:  # before the commit, as in every round
+            spans = token_scores.record(rows, torch.zeros_like(anchor), first, raw_logits[:, None],
+                                        sampler.warp(last_logits)[:, None] if want_scores else None)
+        written, _, rows.finished = output.commit(rows, anchor[:, None], first)
+        if token_scores is not None:
+            token_scores.trim(spans, written)
+        if streamer is not None:
+            streamer.put(input_ids[0].cpu())
+            streamer.put(anchor.cpu())
+        trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
+        speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
+                           ngram_size, trees, processors, deadline, token_scores)
+        if streamer is not None:
+            streamer.end()
     width = int(output.count.max())
     scores, logits = token_scores.columns(width) if token_scores is not None else (None, None)
     return SpeculativeOutput(torch.cat([input_ids, output.tokens[:, :width]], dim=1), output.count, stats,
