@@ -42,8 +42,8 @@ TREE_TOP_K = 16  # candidates per position a DFlash-1 head's tree ranks (dFlash 
 
 def supports_trees(target, cache) -> bool:
     """Whether this target and cache can verify a tree: a custom 4-D mask needs SDPA (Transformers' or
-    ``attention.packed_gqa_sdpa``) or eager attention and no sliding window (the mask replaces Transformers' own), and moving the path needs plain
-    ``DynamicLayer`` caches."""
+    ``attention.packed_gqa_sdpa``) or eager attention and no sliding window (the mask replaces
+    Transformers' own), and moving the path needs plain ``DynamicLayer`` caches."""
     config = target.config.get_text_config()
     if getattr(target.config, "_attn_implementation", None) not in ("sdpa", PACKED_GQA_SDPA, "eager"):
         return False
