@@ -123,3 +123,18 @@ def test_the_fast_loop_runs_packed_attention_and_keeps_greedy_exact(monkeypatch)
     with torch.no_grad():
         plain = speculative_generate(target, drafter, ids, max_new_tokens=24, packed_attention=False)
     assert calls == [] and torch.equal(plain.sequences, expected)
+
+
+def test_plain_generate_can_run_on_the_packed_attention():
+    """``set_attn_implementation(PACKED_GQA_SDPA)`` (what the README offers plain ``generate``) is accepted,
+    gives greedy's text, and the fast loop keeps a target already on it as it is."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target)
+    ids = torch.randint(2, 96, (1, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+        target.set_attn_implementation(PACKED_GQA_SDPA)
+        assert target.config._attn_implementation == PACKED_GQA_SDPA
+        assert torch.equal(target.generate(ids, max_new_tokens=16, do_sample=False), expected)
+        assert torch.equal(speculative_generate(target, drafter, ids, max_new_tokens=16).sequences, expected)
+    assert target.config._attn_implementation == PACKED_GQA_SDPA
