@@ -2,6 +2,7 @@
 lead it accounts for.
 
     python benchmarks/packed_attention.py [--prompts 4] [--new-tokens 64] [--repeats 3] [--forward-repeats 25]
+                                          [--dtype auto|bf16|fp32]
 
 1. One target forward as the loop's verify runs it (``generation.verify``: the context's mask, the tapped
    features) over ``w`` = 1, 2, 4, 8, 16 new tokens after the prompt, Transformers' ``sdpa`` against
@@ -15,7 +16,8 @@ lead it accounts for.
 The fast loop's speedup over plain greedy on ``sdpa`` is what a user who switches sees; the speedup over
 greedy on the packed attention is what speculation adds on top of an attention any greedy run may use
 (``model.set_attn_implementation(PACKED_GQA_SDPA)``). In the dtype ``auto`` decodes in, on the linear kernel
-``auto`` picks. Writes benchmarks/results/packed_attention_<cpu kind>.{json,md,png}.
+``auto`` picks (``--dtype``: that dtype instead). Writes
+benchmarks/results/packed_attention_<cpu kind>[_<dtype>].{json,md,png} (no suffix for ``auto``).
 """
 
 from __future__ import annotations
@@ -84,10 +86,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--forward-repeats", type=int, default=25)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"])
     args = parser.parse_args()
     if min(args.prompts, args.new_tokens, args.repeats, args.forward_repeats, args.batch) < 1:
         raise SystemExit(f"every count must be >= 1, got {vars(args)}")
-    target, tokenizer = load_target_for_decoding("auto")
+    target, tokenizer = load_target_for_decoding(args.dtype)
     kernel = linear_kernel_of(target)
     head = load_head(default_head("smollm2-135m-dflash2"), target).to(target.dtype).bind_target(target)
     use_linear_kernel(head, kernel)
@@ -141,7 +144,7 @@ def main() -> None:
                   for m, s in medians.items()]
         print(table(batch8, ["method", "seconds", "over_ar", "over_ar_packed"]))
 
-    name = f"packed_attention_{cpu_kind()}"
+    name = f"packed_attention_{cpu_kind()}" + ("" if args.dtype == "auto" else f"_{args.dtype}")
     command = "python benchmarks/packed_attention.py " + " ".join(sys.argv[1:])
     payload = {"command": command.strip(), "machine": machine(), "dtype": str(target.dtype), "linear_kernel": kernel,
                "new_tokens": n, "repeats": args.repeats, "forwards": forwards, "batch1": batch1,
