@@ -36,6 +36,7 @@ from _common import GREEDY, RESULTS, chart_bars, save, table  # noqa: E402
 
 from hf_dflash2 import generation, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
+from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, load_or_measure_cost_model  # noqa: E402
 from hf_dflash2.draft_tree import candidate_log_mass, rank_continuations  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
@@ -101,7 +102,8 @@ def main() -> None:
 
     timing_target, _ = load_target_for_decoding(args.cost_dtype, None, None)
     widest = max(v["block_size"] for v in variants.values())
-    cost = load_or_measure_cost_model(timing_target, load_head(head_folder, timing_target), 1, widest)
+    with packed_gqa_attention(timing_target):  # the verify the fast loop runs
+        cost = load_or_measure_cost_model(timing_target, load_head(head_folder, timing_target), 1, widest)
     del timing_target
     target, tokenizer = load_target_for_decoding("fp32", None, None)
     apply_chat_template_option(tokenizer, "auto")

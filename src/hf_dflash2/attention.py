@@ -29,6 +29,13 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 PACKED_GQA_SDPA = "packed_gqa_sdpa"
+# Models whose attention only dispatches through Transformers' attention-function registry (their modeling
+# files never test the implementation's name): switching them changes nothing but the function that runs.
+# Some other models branch on ``_attn_implementation in ("eager", "sdpa")`` and would take another path.
+PACKABLE_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gemma",
+                                  "gemma3_text", "smollm3", "phi3", "olmo2", "granite"})
+# Longer forwards (prefills) keep Transformers' path: the repeated mask grows as queries x keys x g.
+MAX_PACKED_QUERIES = 64
 
 
 def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -37,15 +44,16 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
     """Transformers' attention-function signature: query [N, Hq, w, d], key / value [N, Hkv, T, d],
     attention_mask [N or 1, 1 or Hq, w, T] (bool or additive) or None -> ([N, w, Hq, d], None).
 
-    Packs the ``g = Hq / Hkv`` query heads of each group into the query axis when a 4-D mask is given or
-    there is one query; otherwise (no GQA, no mask over several queries, which is a causal prefill, or
+    Packs the ``g = Hq / Hkv`` query heads of each group into the query axis when a 4-D mask with one row
+    per query is given or there is one query, for up to ``MAX_PACKED_QUERIES`` queries; otherwise (no GQA,
+    no mask over several queries, which is a causal prefill, a long forward, a mask broadcast over queries,
     arguments such as a position bias) Transformers' ``sdpa`` runs as it would."""
     groups = getattr(module, "num_key_value_groups", 1)
     batch, query_heads, width, dim = query.shape
     mask = attention_mask
     if (groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or (mask is None and width > 1) or (mask is not None and mask.dim() != 4)
-            or key.shape[-1] != value.shape[-1]):
+            or (mask is None and width > 1) or (mask is not None and (mask.dim() != 4 or mask.shape[2] != width))
+            or width > MAX_PACKED_QUERIES or key.shape[0] != batch or key.shape[-1] != value.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     kv_heads = key.shape[1]
@@ -67,9 +75,10 @@ AttentionMaskInterface.register(PACKED_GQA_SDPA, sdpa_mask)  # the masks Transfo
 
 def packs_gqa(model) -> bool:
     """Whether ``packed_gqa_attention`` would switch this model: plain ``sdpa`` on one config (not a
-    composite model's sub-configs) with grouped-query attention."""
+    composite model's sub-configs) of a ``PACKABLE_MODEL_TYPES`` model with grouped-query attention."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa" or config.get_text_config() is not config:
+    if (getattr(config, "_attn_implementation", None) != "sdpa" or config.get_text_config() is not config
+            or getattr(config, "model_type", None) not in PACKABLE_MODEL_TYPES):
         return False
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     return bool(heads and kv_heads and kv_heads < heads)
@@ -78,7 +87,10 @@ def packs_gqa(model) -> bool:
 @contextmanager
 def packed_gqa_attention(model, enabled: bool = True):
     """Within the block, ``model`` runs ``packed_gqa_sdpa`` where it ran ``sdpa`` with grouped-query
-    attention (``packs_gqa``); its attention implementation is restored on the way out, errors included."""
+    attention (``packs_gqa``); its attention implementation is restored on the way out, errors included.
+
+    The switch is made on the model's config, so another thread running the same model meanwhile runs the
+    packed attention too (the same attention, last bits aside)."""
     if not (enabled and packs_gqa(model)):
         yield
         return

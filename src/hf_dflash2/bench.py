@@ -411,15 +411,19 @@ def cmd_bench(args) -> int:
 
 
 def print_cost_profile(settings: BenchSettings) -> int:
-    """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with."""
+    """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with
+    (under the attention the fast loop runs, ``attention.packed_gqa_attention``)."""
+    from .attention import packed_gqa_attention
     from .cost_model_dflash2 import load_or_measure_cost_model
     from .precision import load_target_for_decoding
 
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                          settings.linear_kernel)
     head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
-    model = load_or_measure_cost_model(target, head, settings.batch_size)
+    with packed_gqa_attention(target):
+        model = load_or_measure_cost_model(target, head, settings.batch_size)
     print(f"cost model ({model.key['device']}, {model.key['dtype']}, {model.key['linear_kernel']} linears, "
+          f"{model.key['attention']} attention, "
           f"batch {settings.batch_size}):\n{model.table()}")
     return 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -972,6 +973,11 @@ def speculative_generate(
     settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
                     tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
     with packed_gqa_attention(target, packed_attention):
+        running_attention = target.config._attn_implementation
+        if cost_model is not None and cost_model.key.get("attention", running_attention) != running_attention:
+            warnings.warn(f"cost_model was measured under {cost_model.key['attention']!r} attention, the call runs "
+                          f"{running_attention!r} (packed_attention={packed_attention}): its verify costs may be off",
+                          stacklevel=2)
         policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
                                    reproducible=do_sample, settings_key=settings_key)
 
