@@ -11,8 +11,8 @@ at every round: a verify has several queries and a mask, and a batch-1 plain ste
 repeated to match, so SDPA reads each cached key and value once. Each query's softmax is over the same keys
 with the same mask, so the result is the same attention; only the kernel's order of summation may differ
 (last bits in fp32, as between Transformers' own one-token and many-token forwards). Measured on a 2-core
-Zen 4 in bf16 (SmolLM2-135M, ``benchmarks/packed_attention.py``): a one-token step 3-8 % faster at batch 1,
-a verify of 2-16 tokens 6-22 % faster at batch 8.
+Zen 4 (SmolLM2-135M, ``benchmarks/packed_attention.py``): in bf16 a forward of 1-16 tokens 4-8 % faster at
+batch 1 and a verify of 2-16 tokens 5-23 % faster at batch 8; in fp32 1-3 % and 5-16 %.
 
 ``packed_gqa_attention(model)`` switches a model to it for the duration of a ``with`` block (the fast loop
 does, for its whole call); ``model.set_attn_implementation(PACKED_GQA_SDPA)`` after ``import hf_dflash2``
@@ -51,8 +51,10 @@ def packed_gqa_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch
     groups = getattr(module, "num_key_value_groups", 1)
     batch, query_heads, width, dim = query.shape
     mask = attention_mask
+    one_row_per_query = mask is not None and mask.dim() == 4 and mask.shape[1] in (1, query_heads) \
+        and mask.shape[2] == width
     if (groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-            or (mask is None and width > 1) or (mask is not None and (mask.dim() != 4 or mask.shape[2] != width))
+            or (mask is None and width > 1) or (mask is not None and not one_row_per_query)
             or width > MAX_PACKED_QUERIES or key.shape[0] != batch or key.shape[-1] != value.shape[-1]):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
