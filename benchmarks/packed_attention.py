@@ -169,8 +169,9 @@ def draw(forwards: list[dict], batch1: list[dict], batch8: list[dict], path: Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    wide = max(r["batch"] for r in forwards)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for batch, marker in ((1, "o"), (max(r["batch"] for r in forwards), "s")):
+    for batch, marker in ((1, "o"), (wide, "s")):
         rows = [r for r in forwards if r["batch"] == batch and r["forward"].startswith("verify")]
         left.plot([int(r["forward"].split("=")[1]) for r in rows], [r["speedup"] for r in rows], marker=marker,
                   label=f"batch {batch}")
@@ -179,7 +180,6 @@ def draw(forwards: list[dict], batch1: list[dict], batch8: list[dict], path: Pat
              title="one verify forward")
     left.set_xticks(WIDTHS, [str(w) for w in WIDTHS])
     left.legend()
-    wide = max(r["batch"] for r in forwards)
     labels = [f"b1 {r['method']}" for r in batch1] + [f"b{wide} {r['method']}" for r in batch8]
     values = [r["over_greedy"] for r in batch1] + [r["over_ar"] for r in batch8]
     plain = ("greedy", "greedy_packed", "ar", "ar_packed")
