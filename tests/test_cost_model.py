@@ -43,6 +43,38 @@ def test_measure_gives_one_positive_monotone_cost_per_verify_length(pair):
     assert "| 4 |" in model.table() and "draft pass" in model.table()
 
 
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_measure_runs_the_targets_attention_with_a_mask_where_the_loop_has_one(pair, monkeypatch, batch_size):
+    """At batch > 1 the loop's forwards carry padding (left-padded prompts, holes where rows accepted less),
+    so SDPA always gets a mask; a one-token forward timed without one runs another kernel (``enable_gqa``)."""
+    target, drafter = pair
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    forward = target.forward
+    seen, width = [], [None]  # (new tokens of the target's forward, whether SDPA got a mask)
+
+    def spy_sdpa(*args, **kwargs):
+        if width[0] is not None:
+            seen.append((width[0], kwargs.get("attn_mask") is not None))
+        return sdpa(*args, **kwargs)
+
+    def spy_forward(*args, **kwargs):
+        width[0] = kwargs["input_ids"].shape[1]
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            width[0] = None
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy_sdpa)
+    monkeypatch.setattr(target, "forward", spy_forward)
+    cm.measure_cost_model(target, drafter, batch_size=batch_size, context_length=32, repeats=1)
+    one_token = [masked for width, masked in seen if width == 1]
+    assert one_token and len(seen) > len(one_token)
+    if batch_size > 1:
+        assert all(masked for _, masked in seen)
+    else:  # nothing to pad: no mask for one token, as the loop's batch-1 steps run
+        assert not any(one_token)
+
+
 def _counting_measure(monkeypatch):
     calls = []
 

@@ -96,8 +96,9 @@ from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_
 
 TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
-COST_MODEL_VERSION = 4  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
-# 4: keyed by the target's attention implementation (the fast loop runs attention.packed_gqa_sdpa)
+COST_MODEL_VERSION = 5  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
+# 4: keyed by the target's attention implementation (the fast loop runs attention.packed_gqa_sdpa);
+# 5: at batch > 1 timed with a padding mask, as the loop's forwards run
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:
@@ -215,9 +216,15 @@ def _synchronize(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | None = None,
-                       context_length: int = 256, repeats: int = 3) -> CostModel:
+                       context_length: int = 256, repeats: int = 3, padded: bool | None = None) -> CostModel:
     """Time the target's verify forward for k = 1..B new tokens after ``context_length`` cached tokens,
-    and one draft pass (medians of ``repeats``, round-robin over k so drift hits every k alike)."""
+    and one draft pass (medians of ``repeats``, round-robin over k so drift hits every k alike).
+
+    ``padded`` (None: at batch > 1): the forwards carry a 2-D mask with a padded slot, as the loop's do at
+    batch > 1 (left-padded prompts, and holes where rows accepted less). Without one, Transformers builds no
+    mask for a one-token forward, and an unpacked grouped-query target then runs SDPA's ``enable_gqa`` path,
+    which on CPU in bf16 took 60 ms where the masked path the loop runs took 41 (SmolLM2-135M, batch 8,
+    ``benchmarks/cost_model_mask.py``), so every ratio to ``verify(1)`` shrank."""
     block_size = block_size or drafter.config.block_size
     device = next(target.parameters()).device
     limit = target.config.get_text_config().max_position_embeddings or context_length + block_size
@@ -229,17 +236,24 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     generator = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, vocab, (batch_size, context_length + block_size), generator=generator).to(device)
     positions = torch.arange(context_length + block_size, device=device).expand(batch_size, -1)
+    mask = None
+    if batch_size > 1 if padded is None else padded:
+        mask = torch.ones(batch_size, context_length + block_size, dtype=torch.long, device=device)
+        mask[-1, 0] = 0
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window layers past their window can then be cropped
-    out = target(input_ids=ids[:, :context_length], position_ids=positions[:, :context_length], cache=cache,
-                 use_cache=True, output_hidden_states=capture, logits_to_keep=last_position(context_length, device))
+    out = target(input_ids=ids[:, :context_length], attention_mask=None if mask is None else mask[:, :context_length],
+                 position_ids=positions[:, :context_length], cache=cache, use_cache=True,
+                 output_hidden_states=capture, logits_to_keep=last_position(context_length, device))
     context = DraftContext(drafter, batch_size, context_length + block_size, device)
-    context.append(tapped_features(out.hidden_states, layer_ids), positions[:, :context_length])
+    context.append(tapped_features(out.hidden_states, layer_ids), positions[:, :context_length],
+                   None if mask is None else mask[:, :context_length].bool())
     anchor_pos = torch.full((batch_size,), context_length, device=device)
 
     def verify(k):
         target(input_ids=ids[:, context_length : context_length + k],
+               attention_mask=None if mask is None else mask[:, : context_length + k],
                position_ids=positions[:, context_length : context_length + k], cache=cache, use_cache=True,
                output_hidden_states=capture)
         cache.crop(-k)
