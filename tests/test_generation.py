@@ -75,6 +75,23 @@ def plain(target, ids, n, **kw):
     return target.generate(ids, max_new_tokens=n, do_sample=False, **kw)
 
 
+@pytest.mark.parametrize("max_new_tokens, verified", [(7, [1, 0, 0, 0, 1]), (8, [0, 1, 0, 0, 1]), (11, [0, 0, 0, 0, 2])])
+def test_no_round_verifies_drafts_past_the_token_budget(max_new_tokens, verified):
+    """A round commits its accepted drafts and one token more, so with r tokens left it verifies at most
+    r - 1 drafts, even with the whole block asked for (``adaptive=False``). An oracle that is always right:
+    the first round commits 5 of the budget, the next as many as are left."""
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    prompts = torch.tensor([[5, 9, 13, 2, 40, 7], [0, 0, 0, 33, 8, 21]])
+    mask = (torch.arange(6) >= torch.tensor([[0], [3]])).long()
+    alone = [plain(target, p[m.bool()][None], max_new_tokens)[0, int(m.sum()):] for p, m in zip(prompts, mask)]
+    oracle = OracleDrafter(drafter, torch.stack(alone), mask.sum(-1), corrupt_every=10**9)
+    out = speculative_generate(target, oracle, prompts, attention_mask=mask, max_new_tokens=max_new_tokens,
+                               adaptive=False, ngram_size=0, block_size=5)
+    assert [torch.equal(out.sequences[row, 6:], alone[row]) for row in range(2)] == [True, True]
+    assert out.stats.verify_length_histogram == [2 * n for n in verified]  # two rows, each round
+
+
 @pytest.mark.parametrize("dflash2", [True, False])
 def test_fast_loop_and_generate_match_plain_greedy(dflash2):
     target = tiny_target(vocab_size=64)
@@ -254,9 +271,11 @@ def test_fast_loop_sampling_is_lossless(dflash2, batch):
     accepted = 0
     for start in range(0, runs, per_call):
         n = min(per_call, runs - start)
-        out = speculative_generate(target, drafter, ids.repeat(n, 1), attention_mask=mask.repeat(n, 1), max_new_tokens=2,
+        # 3 tokens: the round after the first token has room for one draft (a draft only the budget's last
+        # token could follow is never verified); the fixed policy verifies as many as fit, test_adaptive.py fewer
+        out = speculative_generate(target, drafter, ids.repeat(n, 1), attention_mask=mask.repeat(n, 1), max_new_tokens=3,
                                    do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator,
-                                   adaptive=False)  # the whole block; tests/test_adaptive.py covers shorter verifies
+                                   adaptive=False)
         accepted += out.stats.accepted
         pairs = out.sequences[:, width:width + 2].view(n, batch, 2)
         for row in range(batch):

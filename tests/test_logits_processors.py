@@ -193,7 +193,7 @@ def test_sampling_with_processors_and_min_p_keeps_generates_law():
     assert 0.5 * float((exact - without_min_p).abs().sum()) > 0.15
     counts, generator, drafted = torch.zeros(12, 12), torch.Generator().manual_seed(7), 0
     for _ in range(4):
-        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=2, do_sample=True,
+        out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=3, do_sample=True,
                                    generator=generator, cost_model=CostModel([1.0] * 4, 1e-6), ngram_size=0,
                                    draft_tree=False, **settings)
         pairs = out.sequences[:, 4:6]

@@ -174,7 +174,7 @@ def test_sampling_law_counts_ngram_rows():
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
-    out = speculative_generate(target, drafter, prompt.repeat(200, 1), max_new_tokens=2, do_sample=True,
+    out = speculative_generate(target, drafter, prompt.repeat(200, 1), max_new_tokens=3, do_sample=True,
                                generator=torch.Generator().manual_seed(1), cost_model=CostModel([1.0] * 4, 1e-6))
     assert 0 < out.stats.ngram_rounds < 200 * out.stats.rounds
 
