@@ -180,3 +180,30 @@ def test_a_deep_copy_of_a_packed_model_reads_its_own_weights():
                                                      twin[1].weight, twin[1].bias))
         torch.testing.assert_close(model(x), F.linear(F.linear(x, model[0].weight, model[0].bias),
                                                       model[1].weight, model[1].bias))
+
+
+def test_a_full_vocabulary_draft_runs_through_the_targets_packed_lm_head():
+    """A head without a draft vocabulary multiplies by the target's whole LM head every draft pass; it calls
+    the target's module, so that the packed kernel serves it (training, with gradients, keeps F.linear)."""
+    target = tiny_target(vocab_size=96, layers=3)
+    drafter = tiny_drafter(target, block_size=4)
+    assert drafter.draft_vocab is None
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    with torch.no_grad():
+        reference, _ = drafter.unary_logits(hidden)
+    lk.use_linear_kernel(target, "onednn")
+    packed = target.get_output_embeddings().__dict__["forward"]
+    calls = []
+    spy = lambda x: calls.append(x.shape) or packed(x)  # noqa: E731
+    target.get_output_embeddings().forward = spy
+    drafter.bind_target(target)
+    with torch.no_grad():
+        logits, vocab = drafter.unary_logits(hidden)
+    assert vocab is None and calls == [torch.Size([6, target.config.hidden_size])]
+    torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
+    drafter.unary_logits(hidden.requires_grad_())
+    assert len(calls) == 1
+    drafter.set_draft_vocab(list(range(0, 96, 2)))
+    with torch.no_grad():
+        logits, vocab = drafter.unary_logits(hidden)
+    assert len(calls) == 1 and logits.shape[-1] == 48  # a draft vocabulary's rows are their own matrix

@@ -305,12 +305,14 @@ class DFlash2CandidateSelector(nn.Module):
 
 @dataclass
 class BoundTarget:
-    """The target's frozen input embedding and LM head, referenced (not owned) by the drafter."""
+    """The target's frozen input embedding and LM head, referenced (not owned) by the drafter; ``lm_head``
+    is the target's LM head module itself, which drafts over the full vocabulary run through."""
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
     lm_head_bias: torch.Tensor | None
     num_layers: int
+    lm_head: nn.Module | None = None
 
     def __deepcopy__(self, memo) -> "BoundTarget":
         return self  # a copied drafter refers to the same target; copying its vocabulary matrices would not bind it
@@ -442,7 +444,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         if mine.dtype != embed.weight.dtype:
             raise ValueError(f"drafter dtype {mine.dtype} does not match the target's dtype {embed.weight.dtype}")
         self.__dict__["_bound_target"] = BoundTarget(
-            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers
+            embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers, head
         )
         return self
 
@@ -513,7 +515,13 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
         # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
-        logits = F.linear(flat, weight, bias).view(*hidden.shape[:-1], weight.shape[0])
+        if vocab is None and bound.lm_head is not None and not torch.is_grad_enabled():
+            # Drafting over the full vocabulary: the target's own module, so that a kernel its LM head runs on
+            # (e.g. oneDNN with packed weights, ``hf_dflash2.linear_kernels``) serves the draft pass too.
+            logits = bound.lm_head(flat)
+        else:
+            logits = F.linear(flat, weight, bias)
+        logits = logits.view(*hidden.shape[:-1], weight.shape[0])
         return self.finish_logits(logits), vocab
 
     def finish_logits(self, logits: torch.Tensor) -> torch.Tensor:
