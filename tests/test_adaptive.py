@@ -403,3 +403,37 @@ def test_calls_under_other_logits_processors_calibrate_apart():
     keys = [key for key, entry in _LAST_POLICY.items() if entry[0]() is target and entry[1]() is drafter
             and key[2] == 1 and key[3] == 5 and len(key[6]) == 3]  # the fast loop's keys
     assert len(keys) == 2  # one per setting, the two plain calls sharing theirs
+
+
+def test_rounds_at_the_end_of_the_token_budget_leave_the_back_off_alone():
+    """Near the end of ``max_new_tokens`` fewer drafts fit, so drafting pays less because of the budget, not
+    because the draft is weak: such rounds must not back the policy off (the next call inherits its back-off),
+    and with no room at all the policy asks for neither a draft pass nor an n-gram draft."""
+    from hf_dflash2.cost_model_dflash2 import _LAST_POLICY
+
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.5)
+    weak = torch.full((1, 4), 0.05)
+    policy = AdaptiveVerifyPolicy(cost, clock=None).start(5)
+    policy.room = 2
+    assert policy.wants_draft()
+    policy.chosen(int(policy.choose(weak.masked_fill(torch.arange(4) >= 2, 0))))
+    assert not bool(policy._paid) and policy.skip == policy.to_skip == 0
+    policy.room = 0
+    assert not policy.wants_draft() and not policy.wants_ngram()
+    policy.room = 4  # the same weak draft with the whole block in reach: back off
+    assert policy.wants_draft()
+    policy.chosen(int(policy.choose(weak)))
+    assert policy.skip >= policy.min_skip and policy.to_skip == policy.skip
+
+    # End to end: an always-right drafter fills a block of 5 per round, so a budget of 7 leaves the second
+    # round no room; the policy the next call inherits has not backed off.
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(3))
+    alone = plain(target, ids, 7)[0, 6:]
+    oracle = OracleDrafter(drafter, alone[None], torch.tensor([6]), corrupt_every=10**9)
+    out = speculative_generate(target, oracle, ids, max_new_tokens=7, cost_model=CostModel([1.0] * 5, 0.01),
+                               ngram_size=0, draft_tree=False)
+    assert torch.equal(out.sequences[0, 6:], alone) and out.stats.verify_length_histogram[4] == 1
+    carried = [entry[2] for entry in _LAST_POLICY.values() if entry[1]() is oracle]
+    assert len(carried) == 1 and carried[0].skip == carried[0].to_skip == 0

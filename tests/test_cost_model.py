@@ -45,8 +45,8 @@ def test_measure_gives_one_positive_monotone_cost_per_verify_length(pair):
 
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_measure_runs_the_targets_attention_with_a_mask_where_the_loop_has_one(pair, monkeypatch, batch_size):
-    """At batch > 1 the loop's forwards carry padding (left-padded prompts, holes where rows accepted less),
-    so SDPA always gets a mask; a one-token forward timed without one runs another kernel (``enable_gqa``)."""
+    """At batch > 1 the loop's forwards usually carry padding (left-padded prompts, holes where rows accepted
+    less), so SDPA gets a mask; a one-token forward timed without one runs another kernel (``enable_gqa``)."""
     target, drafter = pair
     sdpa = torch.nn.functional.scaled_dot_product_attention
     forward = target.forward

@@ -146,6 +146,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         room = self.max_length - cur_len - 1
         if room <= 0 or self.max_drafts == 0:
             return input_ids, None  # a plain step: the target verifies the anchor alone
+        self.policy.room = room
         anchor = input_ids[:, -1].to(device)
         anchor_pos = torch.tensor([cur_len - 1], device=device)
         history = input_ids.to(device) if self.ngram_size else None

@@ -237,7 +237,7 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     ids = torch.randint(0, vocab, (batch_size, context_length + block_size), generator=generator).to(device)
     positions = torch.arange(context_length + block_size, device=device).expand(batch_size, -1)
     mask = None
-    if batch_size > 1 if padded is None else padded:
+    if padded if padded is not None else batch_size > 1:
         mask = torch.ones(batch_size, context_length + block_size, dtype=torch.long, device=device)
         mask[-1, 0] = 0
     cache = DynamicCache(config=target.config)
@@ -345,7 +345,13 @@ class VerifyPolicy:
     ngram_size)`` picks each row's source; then ``choose(confidence, source, drafted)`` (a device scalar or
     an int; it rides on the loop's one host read) gives ``k``, told back with ``chosen(k, head_used)``;
     the outcome comes with ``observe(confidence, k, accepted, source)`` (device tensors, no host read).
+
+    ``room``: set by the loop each round, the most drafts any running row could still commit before its
+    token budget ends (an upper bound before the round's host read, exact from ``chosen`` on; None:
+    unknown). The loop never verifies more drafts than that, whatever ``choose`` says.
     """
+
+    room: int | None = None
 
     def start(self, block_size: int) -> "VerifyPolicy":
         self.block_size = block_size
@@ -513,6 +519,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         explore_after = self.explore_every if len(self.timed["step"]) >= 2 else min(4, self.explore_every)
         self._exploring = self.clock is not None and self._drafted_in_a_row >= explore_after
         self._round = ("step", 0)
+        if self.room is not None and self.room <= 0:  # no row can commit a draft: the back-off is untouched
+            return False
         if self.to_skip > 0 or self._exploring:
             self.to_skip = max(0, self.to_skip - 1)
             self._drafted_in_a_row = 0
@@ -522,7 +530,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         return not 0 < self._ngram_streak < self.ngram_streak
 
     def wants_ngram(self) -> bool:
-        return not self._exploring
+        return not self._exploring and (self.room is None or self.room > 0)
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
         """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens, row
@@ -577,6 +585,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         rate = self._ratio(ones)[TREE_ROW][(depth - 1).clamp(0, s - 1)]
         node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0)  # [N, ranked]
         ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
+        if self.room is not None:  # n-gram drafts deeper than any row's budget are never committed
+            ngram_reach[:, max(self.room, 0):] = 0.0
         reach_to = torch.cat([ones.new_zeros(rows, 1), ngram_reach.cumsum(-1)], dim=1)  # [N, S + 1]
         spells = spells_ngram[:, :ranked]
         upgrade = spells * (ngram_reach.gather(1, (depth - 1).clamp(0, s - 1)) - node).clamp_min(0.0)
@@ -619,14 +629,20 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
     def chosen(self, k: int, head_used: bool = True) -> None:
         paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
+        # Near the end of the token budget drafts are worth less because fewer fit, not because the draft is
+        # weak: such rounds leave the back-off (which the next call inherits) as it was.
+        budget_bound = self.room is not None and self.room < self.block_size - 1
         if not self._head_drafted:  # n-gram drafts alone: the head's back-off is untouched
             if k > 0:
                 self._round = ("ngram", k)
                 self._drafted_in_a_row += 1
-            self._ngram_streak = self._ngram_streak + 1 if paid else 0
+            if not budget_bound:
+                self._ngram_streak = self._ngram_streak + 1 if paid else 0
             return
         self._round = ("draft", k)
         self._drafted_in_a_row += 1
+        if budget_bound:
+            return
         self._ngram_streak = 1 if paid and not head_used else 0
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))

@@ -515,7 +515,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
         # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
-        if vocab is None and bound.lm_head is not None and not torch.is_grad_enabled():
+        if (vocab is None and bound.lm_head is not None and not torch.is_grad_enabled()
+                and weight.is_floating_point()):  # a quantized head's input is not cast to its storage type
             # Drafting over the full vocabulary: the target's own module, so that a kernel its LM head runs on
             # (e.g. oneDNN with packed weights, ``hf_dflash2.linear_kernels``) serves the draft pass too.
             logits = bound.lm_head(flat)
