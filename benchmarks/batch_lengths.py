@@ -1,6 +1,6 @@
 """Batch 8: the adaptive policy against fixed verify lengths and batched AR, wall clock.
 
-    python benchmarks/batch_lengths.py [--batch 8] [--new-tokens 64] [--repeats 5] [--lengths 1,2,3]
+    python benchmarks/batch_lengths.py [--batch 8] [--new-tokens 64] [--repeats 5] [--lengths 1,2,3] [--output NAME]
 
 Issue 9 asks that batch-8 speculation never fall below batched AR (``generate`` on the same left-padded
 batch). ``benchmarks/adaptive.py --batch8`` gives the policy's ratio; this script asks what the policy
@@ -9,7 +9,7 @@ head, n-gram drafts on as in the default loop), the adaptive policy with and wit
 interleaved (the order rotated each repeat), in the dtype ``auto`` decodes in, on the linear kernel ``auto``
 picks. Also per arm: tau, and the share of the call spent in the prefill (the same for every arm, so the
 decode phase's ratio is larger than the call's). The first HumanEval prompts, as ``adaptive.py --batch8``.
-Writes benchmarks/results/batch_lengths_<cpu kind>_b<batch>.{json,md}.
+Writes benchmarks/results/batch_lengths_<cpu kind>_b<batch>.{json,md} (``--output``: NAME.{json,md} there).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--lengths", default="1,2,3", help="fixed chain lengths to try (drafts per round)")
+    parser.add_argument("--output", default=None, help="results file name (default: batch_lengths_<cpu>_b<batch>)")
     args = parser.parse_args()
     lengths = [int(k) for k in args.lengths.split(",")]
     if args.batch < 1 or args.new_tokens < 1 or args.repeats < 1 or any(k < 1 for k in lengths):
@@ -84,7 +85,7 @@ def main() -> None:
                      "decode_over_ar": (ar - pre) / (median - pre),
                      "per_repeat_over_ar": [round(ar / s, 3) for s in seconds[method]],
                      "tau": statistics.median(tau[method]) if method in tau else None})
-    name = f"batch_lengths_{cpu_kind()}_b{args.batch}"
+    name = args.output or f"batch_lengths_{cpu_kind()}_b{args.batch}"
     payload = {"command": "python benchmarks/batch_lengths.py " + " ".join(sys.argv[1:]), "dtype": str(dtype),
                "linear_kernel": kernel, "batch": args.batch, "new_tokens": n, "repeats": args.repeats,
                "prefill_seconds": pre, "rows": rows}
