@@ -437,3 +437,21 @@ def test_rounds_at_the_end_of_the_token_budget_leave_the_back_off_alone():
     assert torch.equal(out.sequences[0, 6:], alone) and out.stats.verify_length_histogram[4] == 1
     carried = [entry[2] for entry in _LAST_POLICY.values() if entry[1]() is oracle]
     assert len(carried) == 1 and carried[0].skip == carried[0].to_skip == 0
+
+
+@pytest.mark.parametrize("draft_tree", [True, False])
+def test_no_draft_pass_when_no_row_has_room_and_trees_stay_greedy_near_the_budget(draft_tree):
+    """With 2 new tokens the only round after the first token can commit no draft: the default policy runs
+    no draft pass at all. Budgets ending inside a block keep the text plain greedy's, trees or chains."""
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = torch.randint(2, 64, (1, 6), generator=torch.Generator().manual_seed(8))
+    alone = plain(target, ids, 12)[0, 6:]
+    cost = CostModel([1.0] * 5, 0.01)
+    for budget in (2, 3, 7, 9, 12):
+        oracle = OracleDrafter(drafter, alone[None], torch.tensor([6]), corrupt_every=4)
+        out = speculative_generate(target, oracle, ids, max_new_tokens=budget, cost_model=cost, ngram_size=0,
+                                   draft_tree=draft_tree)
+        assert torch.equal(out.sequences[0, 6:], alone[:budget]), budget
+        if budget == 2:
+            assert oracle.calls == 0 and out.stats.verify_length_histogram[0] == out.stats.rounds == 1
