@@ -406,23 +406,23 @@ def test_calls_under_other_logits_processors_calibrate_apart():
 
 
 def test_rounds_at_the_end_of_the_token_budget_leave_the_back_off_alone():
-    """Near the end of ``max_new_tokens`` fewer drafts fit, so drafting pays less because of the budget, not
-    because the draft is weak: such rounds must not back the policy off (the next call inherits its back-off),
-    and with no room at all the policy asks for neither a draft pass nor an n-gram draft."""
+    """A round whose drafts the token budget left no room for (k capped to 0 after the host read) says nothing
+    of the draft: it must not back the policy off (the next call inherits its back-off). Knowing there is no
+    room, the policy asks for neither a draft pass nor an n-gram draft."""
     from hf_dflash2.cost_model_dflash2 import _LAST_POLICY
 
     cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.5)
-    weak = torch.full((1, 4), 0.05)
     policy = AdaptiveVerifyPolicy(cost, clock=None).start(5)
-    policy.room = 2
+    policy.room = 3  # an upper bound before the round
     assert policy.wants_draft()
-    policy.chosen(int(policy.choose(weak.masked_fill(torch.arange(4) >= 2, 0))))
-    assert not bool(policy._paid) and policy.skip == policy.to_skip == 0
-    policy.room = 0
+    assert int(policy.choose(torch.full((1, 4), 0.9))) > 0
+    policy.room = 0  # the host read: no row has room, k capped to 0
+    policy.chosen(0)
+    assert policy.skip == policy.to_skip == 0
     assert not policy.wants_draft() and not policy.wants_ngram()
-    policy.room = 4  # the same weak draft with the whole block in reach: back off
+    policy.room = 4  # a weak draft with the whole block in reach: back off
     assert policy.wants_draft()
-    policy.chosen(int(policy.choose(weak)))
+    policy.chosen(int(policy.choose(torch.full((1, 4), 0.05))))
     assert policy.skip >= policy.min_skip and policy.to_skip == policy.skip
 
     # End to end: an always-right drafter fills a block of 5 per round, so a budget of 7 leaves the second

@@ -157,13 +157,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             )
         if draft is None:
             return input_ids, None
-        # Drafts past the room are never committed: priced at nothing, as in the fast loop, and capped before
-        # the policy hears the length (it times each round against the verify it was told of).
-        confidence = draft.confidence
-        if confidence is not None and confidence.shape[1] > room:
-            confidence = confidence.clone()
-            confidence[:, room:] = 0
-        length = min(int(self.policy.choose(confidence, draft.source, head_drafted)), room, self.max_drafts)
+        # Capped before the policy hears it: it times each round against the verify it was told of.
+        length = min(int(self.policy.choose(draft.confidence, draft.source, head_drafted)), room, self.max_drafts)
         tokens = draft.tokens[:, :length].to(input_ids.device)
         if self.stop_criteria is not None:
             length = self._before_stop(torch.cat([input_ids, tokens], dim=1), cur_len, length)

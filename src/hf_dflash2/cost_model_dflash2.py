@@ -348,7 +348,7 @@ class VerifyPolicy:
 
     ``room``: set by the loop each round, the most drafts any running row could still commit before its
     token budget ends (an upper bound before the round's host read, exact from ``chosen`` on; None:
-    unknown). The loop never verifies more drafts than that, whatever ``choose`` says.
+    unknown). The loop caps a chain's ``k`` (and a tree's n-gram branch) at it, whatever ``choose`` says.
     """
 
     room: int | None = None
@@ -585,8 +585,6 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         rate = self._ratio(ones)[TREE_ROW][(depth - 1).clamp(0, s - 1)]
         node = (node_logp[:, :ranked].float().exp() * rate).clamp(0.0, 1.0)  # [N, ranked]
         ngram_reach = self._acceptance(ones, ngram_size).cumprod(-1) * (ngram_size > 0)[:, None].float()
-        if self.room is not None:  # n-gram drafts deeper than any row's budget are never committed
-            ngram_reach[:, max(self.room, 0):] = 0.0
         reach_to = torch.cat([ones.new_zeros(rows, 1), ngram_reach.cumsum(-1)], dim=1)  # [N, S + 1]
         spells = spells_ngram[:, :ranked]
         upgrade = spells * (ngram_reach.gather(1, (depth - 1).clamp(0, s - 1)) - node).clamp_min(0.0)
@@ -629,9 +627,9 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
 
     def chosen(self, k: int, head_used: bool = True) -> None:
         paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
-        # Near the end of the token budget drafts are worth less because fewer fit, not because the draft is
-        # weak: such rounds leave the back-off (which the next call inherits) as it was.
-        budget_bound = self.room is not None and self.room < self.block_size - 1
+        # A round whose drafts the token budget left no room for says nothing of the draft: it leaves the
+        # back-off (which the next call inherits) as it was.
+        budget_bound = self.room is not None and self.room <= 0
         if not self._head_drafted:  # n-gram drafts alone: the head's back-off is untouched
             if k > 0:
                 self._round = ("ngram", k)

@@ -742,8 +742,8 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                                       draft_temperature, sampler.generator, ngram_size, history, length,
                                       rank_nodes, processors.for_drafts(output, rows) if draft_hook else None)
         tree_round = trees and head_drafted
-        # Drafts a row has no budget left for are never written: a round commits at most the anchor and
-        # ``room`` drafts per row, so the plan prices the drafts past it as worthless, and k is capped below.
+        # A round writes a row's accepted drafts and one token more: with r tokens of its budget left, a row
+        # can use r - 1 drafts (its ``room``); k is capped at the largest room after the host read.
         room = output.max_new_tokens - 1 - output.count[rows.index]  # [n]
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
@@ -753,15 +753,9 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                     spells = torch.zeros_like(draft.node_tokens, dtype=torch.bool)
                 else:
                     spells = spelling(nodes, draft.ngram_tokens)
-                node_logp = draft.node_logp.masked_fill(draft.node_depth > room[:, None], -torch.inf)
-                plan = [*policy.choose_tree(node_logp, draft.node_depth, draft.ngram_size, spells)]
+                plan = [*policy.choose_tree(draft.node_logp, draft.node_depth, draft.ngram_size, spells)]
             else:  # (k, -)
-                plan = [0, 0]
-                if draft is not None:
-                    confidence = draft.confidence
-                    if confidence is not None:
-                        confidence = confidence.masked_fill(offsets[1 : confidence.shape[1] + 1] > room[:, None], 0)
-                    plan[0] = policy.choose(confidence, draft.source, head_drafted)
+                plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
         # plan, whether any row took the head's draft, whether last round's tree path must move, and the
         # most drafts a running row can still commit.
@@ -772,7 +766,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             torch.where(rows.finished, 0, room).max()]).tolist()
         if not any_running:
             return
-        # a tree's m counts nodes, not depth: its nodes past the room were priced at nothing above
+        # a tree's m counts its nodes, not their depth: the tree is kept unless no row has room
         k, k_ngram = min(k, most_room) if not tree_round or most_room == 0 else k, min(k_ngram, most_room)
         policy.room = most_room
         if move:  # before the crop: the path's slots are among the cache's last W
