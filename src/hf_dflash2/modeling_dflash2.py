@@ -306,7 +306,7 @@ class DFlash2CandidateSelector(nn.Module):
 @dataclass
 class BoundTarget:
     """The target's frozen input embedding and LM head, referenced (not owned) by the drafter; ``lm_head``
-    is the target's LM head module itself, which drafts over the full vocabulary run through."""
+    is the target's LM head module itself, through which drafts over the full vocabulary run."""
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
