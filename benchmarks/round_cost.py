@@ -5,9 +5,10 @@
 1. One draft+verify round vs one plain AR decode step, with an untrained head and no n-gram drafts (tau ~ 1,
    so this is pure overhead), every round verifying the whole block (``adaptive=False``), block size 16 and
    8, with the full vocabulary and with the committed head's 8,192-token draft vocabulary (the shape heads
-   trained here ship in). Goals: <= 2.0x (B=16) and <= 1.8x (B=8) an AR step. Each method runs ``--new-tokens`` and a third of
-   it; the difference in time over the difference in rounds (steps) is the cost of a round (a step), with
-   the prefill and the last rounds, which verify only the drafts the budget has room for, cancelled out.
+   trained here ship in). Goals: <= 2.0x (B=16) and <= 1.8x (B=8) an AR step. Each method runs
+   ``--new-tokens`` and a third of it; the difference in time over the difference in rounds (steps) is
+   the cost of a round (a step), with the prefill and the last rounds, which verify only the drafts the
+   budget has room for, cancelled out.
    The AR step is plain ``generate``'s on the target's own attention (``sdpa``); since the fast loop runs
    the packed grouped-query attention (``hf_dflash2.attention``), the round is also given over
    ``generate``'s step on that attention, so the ratio does not bank the attention's gain.
@@ -55,6 +56,17 @@ def main() -> None:
     def packed_greedy(*inputs, **options):
         with packed_gqa_attention(target):
             return target.generate(*inputs, **options)
+
+    def fresh_head(block: int, vocab: list[int] | None = None):
+        """An untrained head of the committed head's layers and taps, on the target's dtype and kernel."""
+        head = new_drafter_for(target, num_hidden_layers=2, block_size=block, selector_rank=128,
+                               target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
+        if vocab is not None:
+            head.set_draft_vocab(vocab)
+        head = head.to(target.dtype).bind_target(target)
+        use_linear_kernel(head, kernel)
+        return head
+
     prompts = load_humaneval_prompts()[:8]
     single = encode(tokenizer, prompts[0], "cpu")
     n = args.new_tokens
@@ -66,12 +78,7 @@ def main() -> None:
     # head trained here ships in (its draft pass's LM head is a sixth of the full vocabulary's).
     draft_vocab = load_head(default_head("smollm2-135m-dflash2"), target).draft_vocab.tolist()
     for block, vocab in ((16, None), (16, draft_vocab), (8, None), (8, draft_vocab)):
-        head = new_drafter_for(target, num_hidden_layers=2, block_size=block, selector_rank=128,
-                               target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
-        if vocab is not None:
-            head.set_draft_vocab(vocab)
-        head = head.to(target.dtype).bind_target(target)
-        use_linear_kernel(head, kernel)
+        head = fresh_head(block, vocab)
         head.adaptive_verify = False  # the Transformers path verifies the whole block too
         head.ngram_size = 0  # the head's drafts alone: tau ~ 1, every round is overhead
         calls, rounds = {}, {}
@@ -94,18 +101,16 @@ def main() -> None:
         round_s = {m: (medians[(m, n)] - medians[(m, short)]) / (rounds[(m, n)] - rounds[(m, short)])
                    for m in ("fast", "hf")}
         tau = (n - short) / (rounds[("fast", n)] - rounds[("fast", short)])
-        rows.append({"block_size": block, "draft_vocab": len(vocab) if vocab else "full", "tau": tau, "ar_step_ms": step["ar"] * 1e3,
-                     "fast_round_ms": round_s["fast"] * 1e3, "hf_round_ms": round_s["hf"] * 1e3,
+        rows.append({"block_size": block, "draft_vocab": len(vocab) if vocab else "full", "tau": tau,
+                     "ar_step_ms": step["ar"] * 1e3, "fast_round_ms": round_s["fast"] * 1e3,
+                     "hf_round_ms": round_s["hf"] * 1e3,
                      "fast_round_over_ar_step": round_s["fast"] / step["ar"],
                      "over_packed_ar_step": round_s["fast"] / step["ar_packed"],
                      "fast_tokens_per_s_over_hf": (medians[("hf", n)] - medians[("hf", short)])
                      / (medians[("fast", n)] - medians[("fast", short)])})
         print(table(rows[-1:], list(rows[-1])), flush=True)
     results["rounds"] = rows
-    head = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=128,
-                           target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
-    head = head.to(target.dtype).bind_target(target)
-    use_linear_kernel(head, kernel)
+    head = fresh_head(16)
     ids, mask = left_pad([encode(tokenizer, p, "cpu") for p in prompts], tokenizer.pad_token_id)
     with torch.no_grad():
         medians = interleaved({
@@ -115,8 +120,8 @@ def main() -> None:
     results["batch8"] = {"ar_tokens_per_s": 8 * n / medians["ar_b8"], "fast_tokens_per_s": 8 * n / medians["fast_b8"]}
     print(f"\nOne round vs one AR step (untrained head, tau ~ 1), SmolLM2-135M-Instruct {target.dtype}, "
           f"linear kernel {kernel}:\n")
-    print(table(rows, ["block_size", "draft_vocab", "tau", "ar_step_ms", "fast_round_ms", "hf_round_ms", "fast_round_over_ar_step",
-                       "over_packed_ar_step", "fast_tokens_per_s_over_hf"]))
+    print(table(rows, ["block_size", "draft_vocab", "tau", "ar_step_ms", "fast_round_ms", "hf_round_ms",
+                       "fast_round_over_ar_step", "over_packed_ar_step", "fast_tokens_per_s_over_hf"]))
     print(f"\nbatch 8 (upper bound: every row runs {n} tokens): {results['batch8']}")
     suffix = "" if args.dtype == "auto" else f"_{args.dtype}"
     print(f"written {save(f'round_cost_{cpu_kind()}{suffix}', results)}")

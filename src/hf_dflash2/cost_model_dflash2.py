@@ -240,20 +240,24 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     if padded if padded is not None else batch_size > 1:
         mask = torch.ones(batch_size, context_length + block_size, dtype=torch.long, device=device)
         mask[-1, 0] = 0
+
+    def mask_upto(length: int) -> torch.Tensor | None:
+        return None if mask is None else mask[:, :length]
+
     cache = DynamicCache(config=target.config)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()  # sliding-window layers past their window can then be cropped
-    out = target(input_ids=ids[:, :context_length], attention_mask=None if mask is None else mask[:, :context_length],
+    out = target(input_ids=ids[:, :context_length], attention_mask=mask_upto(context_length),
                  position_ids=positions[:, :context_length], cache=cache, use_cache=True,
                  output_hidden_states=capture, logits_to_keep=last_position(context_length, device))
     context = DraftContext(drafter, batch_size, context_length + block_size, device)
     context.append(tapped_features(out.hidden_states, layer_ids), positions[:, :context_length],
-                   None if mask is None else mask[:, :context_length].bool())
+                   None if mask is None else mask_upto(context_length).bool())
     anchor_pos = torch.full((batch_size,), context_length, device=device)
 
     def verify(k):
         target(input_ids=ids[:, context_length : context_length + k],
-               attention_mask=None if mask is None else mask[:, : context_length + k],
+               attention_mask=mask_upto(context_length + k),
                position_ids=positions[:, context_length : context_length + k], cache=cache, use_cache=True,
                output_hidden_states=capture)
         cache.crop(-k)
@@ -356,6 +360,11 @@ class VerifyPolicy:
     def start(self, block_size: int) -> "VerifyPolicy":
         self.block_size = block_size
         return self
+
+    @property
+    def out_of_room(self) -> bool:
+        """No running row can commit a draft before its token budget ends (as far as ``room`` says)."""
+        return self.room is not None and self.room <= 0
 
     def wants_draft(self) -> bool:
         return True
@@ -519,7 +528,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         explore_after = self.explore_every if len(self.timed["step"]) >= 2 else min(4, self.explore_every)
         self._exploring = self.clock is not None and self._drafted_in_a_row >= explore_after
         self._round = ("step", 0)
-        if self.room is not None and self.room <= 0:  # no row can commit a draft: the back-off is untouched
+        if self.out_of_room:  # the back-off is untouched
             return False
         if self.to_skip > 0 or self._exploring:
             self.to_skip = max(0, self.to_skip - 1)
@@ -530,7 +539,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         return not 0 < self._ngram_streak < self.ngram_streak
 
     def wants_ngram(self) -> bool:
-        return not self._exploring and (self.room is None or self.room > 0)
+        return not self._exploring and not self.out_of_room
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
         """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens, row
@@ -629,7 +638,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         paid = k > 0 and bool(self._paid)  # computed before the loop's host read: the device is idle by now
         # A round whose drafts the token budget left no room for says nothing of the draft: it leaves the
         # back-off (which the next call inherits) as it was.
-        budget_bound = self.room is not None and self.room <= 0
+        budget_bound = self.out_of_room
         if not self._head_drafted:  # n-gram drafts alone: the head's back-off is untouched
             if k > 0:
                 self._round = ("ngram", k)

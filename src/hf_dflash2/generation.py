@@ -742,9 +742,6 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                                       draft_temperature, sampler.generator, ngram_size, history, length,
                                       rank_nodes, processors.for_drafts(output, rows) if draft_hook else None)
         tree_round = trees and head_drafted
-        # A round writes a row's accepted drafts and one token more: with r tokens of its budget left, a row
-        # can use r - 1 drafts (its ``room``); k is capped at the largest room after the host read.
-        room = output.max_new_tokens - 1 - output.count[rows.index]  # [n]
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
                 nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
@@ -758,7 +755,9 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
                 plan = [0 if draft is None else policy.choose(draft.confidence, draft.source, head_drafted), 0]
         # The one host read per round: any row running, all rows running, trailing slots no row needs, the
         # plan, whether any row took the head's draft, whether last round's tree path must move, and the
-        # most drafts a running row can still commit.
+        # most drafts a running row can still commit: a round writes a row's accepted drafts and one token
+        # more, so with r tokens of its budget left a row can use r - 1 drafts.
+        room = output.max_new_tokens - 1 - output.count[rows.index]
         any_running, all_running, crop, k, k_ngram, head_used, move, most_room = torch.stack([
             (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
             *(torch.as_tensor(x, device=no.device).long() for x in plan),
