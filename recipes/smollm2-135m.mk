@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -538,3 +538,21 @@ soup-smollm2-s35: setup
 	for slice in 3 4 5 6 7 8 9; do $(PY) benchmarks/heldout_tau.py heads/smollm2-135m-dflash2 runs/soup_s35/four \
 		--prompts 16 --tokens 64 --prompt-slice $$slice --repetition-penalty 1.0 \
 		--output benchmarks/results/heldout_tau_round35_soup_slice$${slice}_penalty1.0.json || exit 1; done
+
+# Session 38: does a fresh head learn faster per CPU-hour when its layers start as copies of the target's last
+# two (28, 29), which already map a residual stream to what the shared final norm and LM head read? Two arms
+# from scratch with the same data, steps, seed and recipe, one thread each side by side: S38_ARM=fresh (the
+# control) and S38_ARM=target (--init-layers-from-target 28,29); then held-out tau of both exports on slices 0-1.
+S38_STEPS ?= 2000
+S38_ARM ?= target
+S38_INIT_fresh :=
+S38_INIT_target := --init-layers-from-target 28,29
+S38_ARGS = --store data/store_s35_taps --target-layer-ids 1,7,14,20,27 --max-length 832 --steps $(S38_STEPS) \
+	--warmup-steps 60 --batch-size 2 --anchors 64 --lr 1e-3 --label-source argmax --layers 2 --block-size 8 \
+	--selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 --output-scale 0.1 --logit-ramp-steps 0 \
+	--ema-decay 0.998 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 100 \
+	--log-every 50 --threads 1 --seed 0 --resume
+arm-smollm2-s38: store-smollm2-s35
+	$(VENV)/bin/hf-dflash2 train $(S38_ARGS) $(S38_INIT_$(S38_ARM)) --output runs/init_s38_$(S38_ARM)
+	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export
+	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export_ema --ema

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -128,6 +129,66 @@ def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path)
         raw.initialize_from(tmp_path / "nowhere")
     after = mismatched.accelerator.unwrap_model(mismatched.drafter).state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # a refused source changes nothing
+
+
+def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
+    """``--init-layers-from-target``: each head layer starts as the named target layer (attention, MLP, both
+    norms); the q/k norms the target lacks and the conv stay fresh; the run trains from there. A wrong count,
+    a layer outside the target or a shape the target layer lacks is refused by name with nothing copied."""
+    from hf_dflash2.training.trainer import copy_target_layers
+
+    trainer = make_trainer(tmp_path, steps=3)
+    drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+    fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    trainer.initialize_layers_from_target([5, 3])
+    target_layers = trainer.target.get_decoder().layers
+    copied = 0
+    for head_layer, index in zip(drafter.layers, [5, 3]):
+        theirs = dict(target_layers[index].named_parameters())
+        for name, parameter in head_layer.named_parameters():
+            if name in theirs:
+                assert torch.equal(parameter, theirs[name]), name
+                copied += 1
+            else:
+                assert name.startswith(("self_attn.q_norm", "self_attn.k_norm", "attention_conv", "mlp_conv")), name
+    assert copied == 2 * 9  # q, k, v, o, gate, up, down and the two layer norms, per layer
+    assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, fresh["layers.0.mlp.up_proj.weight"])
+    assert torch.equal(drafter.fc.weight, fresh["fc.weight"])  # the rest of the head is a fresh head's
+    assert trainer.initialized_from == {"target_layers": [5, 3]}
+    trainer.train()
+    assert trainer.step == 3 and all(math.isfinite(h["loss"]) for h in trainer.history)
+
+    other = make_trainer(tmp_path / "b", steps=3)
+    head = other.accelerator.unwrap_model(other.drafter)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    with pytest.raises(ValueError, match=r"names 1 target layers, the head has 2"):
+        other.initialize_layers_from_target([5])
+    with pytest.raises(ValueError, match="layer 6 is outside the target's 6 layers"):
+        other.initialize_layers_from_target([5, 6])
+    wider = tiny_target(vocab_size=64, intermediate_size=96)  # another MLP width: no counterpart
+    with pytest.raises(ValueError, match=r"mlp.gate_proj.weight \(128, 64\) has no counterpart in target layer 5 "
+                                         r"\(shape \(96, 64\)\)"):
+        copy_target_layers(head, wider, [5, 4])
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())
+
+
+def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, monkeypatch):
+    from hf_dflash2 import assets
+    from hf_dflash2.cli import main
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target must not load before --init-layers-from-target is checked")
+
+    monkeypatch.setattr(assets, "load_target", no_target)
+    (tmp_path / "regen.jsonl").write_text("")
+    train = ["train", "--data", str(tmp_path / "regen.jsonl"), "--output", str(tmp_path / "run")]
+    with pytest.raises(SystemExit, match="names 3 target layers, the head has --layers 2"):
+        main([*train, "--init-layers-from-target", "27,28,29"])
+    with pytest.raises(SystemExit, match="'28,x': expected comma-separated integers"):
+        main([*train, "--init-layers-from-target", "28,x"])
+    with pytest.raises(SystemExit, match="give one of them"):
+        main([*train, "--init-layers-from-target", "28,29", "--init-from", "heads/smollm2-135m-dflash2"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_init_from_a_saved_head_computes_what_the_head_computed(tmp_path):

@@ -319,6 +319,19 @@ def cmd_train(args) -> int:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
         if args.store is None:
             raise SystemExit(f"--records {args.records!r} selects records of a --store; --data has no record ids")
+    target_layers_init = None
+    if args.init_layers_from_target is not None:
+        if args.init_from:
+            raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r} starts a fresh head; "
+                             f"--init-from {args.init_from} starts from trained weights: give one of them")
+        try:
+            target_layers_init = [int(i) for i in args.init_layers_from_target.split(",")]
+        except ValueError:
+            raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r}: expected comma-separated "
+                             "integers, one per head layer, e.g. 28,29") from None
+        if len(target_layers_init) != args.layers:
+            raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r} names "
+                             f"{len(target_layers_init)} target layers, the head has --layers {args.layers}")
     if args.threads:
         torch.set_num_threads(args.threads)
     precision = resolve_precision(args.mixed_precision)
@@ -421,6 +434,11 @@ def cmd_train(args) -> int:
             trainer.initialize_from(args.init_from)
         except (FileNotFoundError, ValueError) as error:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
+    elif target_layers_init and not resuming:
+        try:
+            trainer.initialize_layers_from_target(target_layers_init)
+        except ValueError as error:
+            raise SystemExit(f"hf-dflash2 train: {error}") from None
     logger.info(
         "training %s head: %d sequences, %d steps, precision %s, labels %s",
         "DFlash-1" if args.dflash1 else "dFlash 2",
@@ -518,6 +536,9 @@ def _register_train(sub) -> None:
     p.add_argument("--init-from", default=None,
                    help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
                    "(e.g. heads/smollm2-135m-dflash2); weights only, fresh schedule")
+    p.add_argument("--init-layers-from-target", default=None,
+                   help="comma-separated target layers, one per head layer: a fresh head whose layers start as "
+                   "copies of them (e.g. 28,29: the target's last two); not with --init-from")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step")
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"],

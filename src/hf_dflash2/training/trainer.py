@@ -319,6 +319,41 @@ def widened_fc_weight(weight: torch.Tensor, source_taps: list[int], taps: list[i
     return widened
 
 
+# Parameters a head layer has and a plain decoder layer of the target may lack: they keep their fresh values.
+FRESH_LAYER_PARAMETERS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "attention_conv.", "mlp_conv.")
+
+
+@torch.no_grad()
+def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int]) -> list[str]:
+    """Start head layer i as a copy of target decoder layer ``layer_ids[i]`` (attention projections, MLP,
+    both norms): a head layer has a target layer's shapes, and a deep target layer already maps a residual
+    stream to what the target's final norm and LM head read, which the head shares. Qwen3-style q/k norms
+    and the conv stay fresh unless the target layer has them too. -> the names copied, per layer. Checked
+    before anything is copied: one target layer per head layer, each within the target, and every other
+    head-layer parameter found in the target layer with the same shape (else a ``ValueError`` naming it)."""
+    layers = target.get_decoder().layers
+    if len(layer_ids) != len(drafter.layers):
+        raise ValueError(f"init_layers_from_target={list(layer_ids)} names {len(layer_ids)} target layers, "
+                         f"the head has {len(drafter.layers)}")
+    for index in layer_ids:
+        if not 0 <= index < len(layers):
+            raise ValueError(f"init_layers_from_target: layer {index} is outside the target's {len(layers)} layers")
+    plan = []
+    for head_layer, index in zip(drafter.layers, layer_ids):
+        theirs = dict(layers[index].named_parameters())
+        for name, parameter in head_layer.named_parameters():
+            source = theirs.get(name)
+            if source is not None and source.shape == parameter.shape:
+                plan.append((parameter, source, name))
+            elif not name.startswith(FRESH_LAYER_PARAMETERS):
+                found = "missing" if source is None else f"shape {tuple(source.shape)}"
+                raise ValueError(f"init_layers_from_target: head parameter {name} {tuple(parameter.shape)} has no "
+                                 f"counterpart in target layer {index} ({found})")
+    for parameter, source, _ in plan:
+        parameter.copy_(source.to(parameter.dtype))
+    return sorted({name for _, _, name in plan})
+
+
 class Trainer:
     def __init__(
         self,
@@ -733,6 +768,13 @@ class Trainer:
         steps = json.loads(recipe.read_text()).get("steps") if recipe.exists() else None
         self.initialized_from = {"head": str(folder), "step": steps}
         logger.info("initialized from the saved head %s", folder)
+
+    def initialize_layers_from_target(self, layer_ids: list[int]) -> None:
+        """A fresh head whose layers start as copies of the target's ``layer_ids`` (``copy_target_layers``);
+        everything else (fc, selector, schedule, logit ramp) as in a fresh run."""
+        copied = copy_target_layers(self.accelerator.unwrap_model(self.drafter), self.target, layer_ids)
+        self.initialized_from = {"target_layers": list(layer_ids)}
+        logger.info("head layers initialized from target layers %s (%s)", list(layer_ids), ", ".join(copied))
 
     def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
         """``weights`` grown to this run's layer count when the run has more layers than the source, and its
