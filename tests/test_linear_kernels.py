@@ -207,3 +207,42 @@ def test_a_full_vocabulary_draft_runs_through_the_targets_packed_lm_head():
     with torch.no_grad():
         logits, vocab = drafter.unary_logits(hidden)
     assert len(calls) == 1 and logits.shape[-1] == 48  # a draft vocabulary's rows are their own matrix
+
+
+def test_a_draft_vocabulary_runs_on_the_kernel_of_the_targets_lm_head(monkeypatch):
+    """The draft vocabulary's rows are their own matrix; while the target's LM head is packed on oneDNN they
+    are packed too (the draft pass's largest matmul at batch > 1), on the default kernel they stay on
+    F.linear, and switching the target's kernel switches theirs. Same logits either way."""
+    target = tiny_target(vocab_size=96, layers=3)
+    drafter = tiny_drafter(target, block_size=4)
+    drafter.set_draft_vocab(list(range(0, 96, 2)))
+    hidden = torch.randn(2, 3, target.config.hidden_size)
+    calls = []
+    mkldnn = torch.ops.mkldnn
+    pointwise = mkldnn._linear_pointwise
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(mkldnn, name)
+
+        def _linear_pointwise(self, x, *args):
+            calls.append(tuple(x.shape))
+            return pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops, "mkldnn", Spy())
+    with torch.no_grad():
+        reference, vocab = drafter.unary_logits(hidden)
+        assert calls == [] and vocab.tolist() == list(range(0, 96, 2))
+        lk.use_linear_kernel(target, "onednn")
+        calls.clear()
+        packed, _ = drafter.unary_logits(hidden)
+        assert calls == [(6, target.config.hidden_size)]
+        torch.testing.assert_close(packed, reference, atol=1e-4, rtol=1e-4)
+        lk.use_linear_kernel(target, "default")
+        calls.clear()
+        again, _ = drafter.unary_logits(hidden)
+        assert calls == [] and torch.equal(again, reference)
+    lk.use_linear_kernel(target, "onednn")
+    calls.clear()
+    drafter.unary_logits(hidden.requires_grad_())  # training: gradients flow through F.linear
+    assert calls == []

@@ -185,10 +185,18 @@ class DFlash2Attention(nn.Module):
         k_block, v_block = self.project_kv(x, block_rope)
         k = torch.cat([context_kv[0].to(k_block.dtype), k_block], dim=2)
         v = torch.cat([context_kv[1].to(v_block.dtype), v_block], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
-        )
-        return self.o_proj(out.transpose(1, 2).flatten(-2))
+        groups = self.num_heads // self.num_kv_heads
+        n, _, width, dim = q.shape
+        packed = groups > 1 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == width
+        if packed:
+            # The g query heads of a key/value head become g times as many queries of it (the mask repeated
+            # to match): the same attention, without SDPA's grouped-query path, which on CPU copies the keys
+            # and values per query head.
+            q = q.reshape(n, self.num_kv_heads, groups * width, dim)
+            attention_mask = attention_mask.repeat(1, 1, groups, 1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
+                                             enable_gqa=groups > 1 and not packed)
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads, -1, self.head_dim).transpose(1, 2).flatten(-2))
 
 
 class DFlash2DecoderLayer(nn.Module):
@@ -301,6 +309,18 @@ class DFlash2CandidateSelector(nn.Module):
         choice = torch.stack(choices, dim=1)
         tokens = candidate_ids.gather(-1, choice[..., None]).squeeze(-1)
         return SelectorOutput(tokens, choice, candidate_ids, torch.stack(qs, dim=1), tables)
+
+
+def _onednn_packed(weight: torch.Tensor, kernel: str | None):
+    """``(x, bias) -> F.linear(x, weight, bias)`` through oneDNN with ``weight`` packed once, when the target's LM
+    head runs on oneDNN (``kernel``) and this CPU can pack ``weight``; else None (``F.linear`` serves)."""
+    if kernel != "onednn" or weight.device.type != "cpu" or not weight.is_floating_point():
+        return None
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
+    except (RuntimeError, AttributeError):  # no oneDNN in this build, or no bf16 packing on this CPU
+        return None
+    return lambda x, bias=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @dataclass
@@ -504,22 +524,28 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """hidden: [..., H] final-normed -> (logits [..., V'], vocab ids [V'] or None when V' = V)."""
         bound = self.bound_target
         weight, bias, vocab = bound.lm_head_weight, bound.lm_head_bias, self.draft_vocab if restrict else None
+        # the kernel the target's LM head runs on (``hf_dflash2.linear_kernels`` tags a packed forward)
+        kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
+        packed = None
         if vocab is not None:
             cached = self.__dict__.get("_draft_head")
-            if cached is None or cached[0] is not weight:
+            if cached is None or cached[0] is not weight or cached[3] != kernel:
                 vocab = vocab.to(weight.device)
                 self.__dict__["_draft_vocab"] = vocab
-                cached = (weight, weight[vocab].contiguous(), None if bias is None else bias[vocab])
+                rows = weight[vocab].contiguous()
+                cached = (weight, rows, None if bias is None else bias[vocab], kernel, _onednn_packed(rows, kernel))
                 self.__dict__["_draft_head"] = cached
-            _, weight, bias = cached
+            _, weight, bias, _, packed = cached
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
         # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
-        if (vocab is None and bound.lm_head is not None and not torch.is_grad_enabled()
-                and weight.is_floating_point()):  # a quantized head's input is not cast to its storage type
+        inference = not torch.is_grad_enabled() and weight.is_floating_point()  # a quantized head: its own path
+        if vocab is None and bound.lm_head is not None and inference:
             # Drafting over the full vocabulary: the target's own module, so that a kernel its LM head runs on
             # (e.g. oneDNN with packed weights, ``hf_dflash2.linear_kernels``) serves the draft pass too.
             logits = bound.lm_head(flat)
+        elif packed is not None and inference and flat.device.type == "cpu":
+            logits = packed(flat, bias)  # the draft vocabulary's rows, packed like the target's LM head
         else:
             logits = F.linear(flat, weight, bias)
         logits = logits.view(*hidden.shape[:-1], weight.shape[0])
