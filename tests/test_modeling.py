@@ -6,7 +6,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hf_dflash2 import DFlash2Config
 
@@ -195,27 +194,3 @@ def test_unbound_drafter_says_how_to_bind():
     with pytest.raises(RuntimeError, match="bind_target"):
         drafter.embed(torch.tensor([1]))
 
-
-def test_the_drafters_attention_packs_query_groups_and_computes_grouped_query_attention():
-    """The drafter packs each key/value head's query heads into its query axis (no per-head copies of the
-    keys); the result must be SDPA's grouped-query attention, also for a mask broadcast over queries."""
-    from hf_dflash2.modeling_dflash2 import apply_rope
-
-    target = tiny_target(vocab_size=64)
-    attention = tiny_drafter(target).layers[0].self_attn
-    assert attention.num_heads // attention.num_kv_heads == 2
-    generator = torch.Generator().manual_seed(0)
-    n, width, context = 3, 4, 10
-    x = torch.randn(n, width, 64, generator=generator)
-    context_kv = tuple(torch.randn(n, 2, context, 16, generator=generator) for _ in range(2))
-    rope = tiny_drafter(target).rotary_emb(torch.arange(width)[None].expand(n, width), x.dtype)
-    for mask in (torch.rand(n, 1, width, context + width, generator=generator) > 0.4,
-                 torch.rand(n, 1, 1, context + width, generator=generator) > 0.4):
-        mask[..., -1] = True  # every query sees a key
-        q = attention.q_norm(attention.q_proj(x).unflatten(-1, (attention.num_heads, 16))).transpose(1, 2)
-        k_block, v_block = attention.project_kv(x, rope)
-        k, v = torch.cat([context_kv[0], k_block], 2), torch.cat([context_kv[1], v_block], 2)
-        expected = F.scaled_dot_product_attention(apply_rope(q, *rope), k, v, attn_mask=mask,
-                                                  scale=attention.scaling, enable_gqa=True)
-        expected = attention.o_proj(expected.transpose(1, 2).flatten(-2))
-        torch.testing.assert_close(attention(x, rope, context_kv, mask), expected, rtol=1e-5, atol=1e-6)

@@ -185,18 +185,10 @@ class DFlash2Attention(nn.Module):
         k_block, v_block = self.project_kv(x, block_rope)
         k = torch.cat([context_kv[0].to(k_block.dtype), k_block], dim=2)
         v = torch.cat([context_kv[1].to(v_block.dtype), v_block], dim=2)
-        groups = self.num_heads // self.num_kv_heads
-        n, _, width, dim = q.shape
-        packed = groups > 1 and attention_mask.shape[1] == 1 and attention_mask.shape[2] == width
-        if packed:
-            # The g query heads of a key/value head become g times as many queries of it (the mask repeated
-            # to match): the same attention, without SDPA's grouped-query path, which on CPU copies the keys
-            # and values per query head.
-            q = q.reshape(n, self.num_kv_heads, groups * width, dim)
-            attention_mask = attention_mask.repeat(1, 1, groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, scale=self.scaling,
-                                             enable_gqa=groups > 1 and not packed)
-        return self.o_proj(out.reshape(x.shape[0], self.num_heads, -1, self.head_dim).transpose(1, 2).flatten(-2))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, scale=self.scaling, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
 class DFlash2DecoderLayer(nn.Module):
