@@ -33,12 +33,13 @@ from hf_dflash2 import speculative_generate
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts
 from hf_dflash2.cost_model_dflash2 import CostModel
 from hf_dflash2.precision import load_target_for_decoding
-from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head
+from hf_dflash2.prompts import default_head, encode_prompt, load_head
 target, tokenizer = load_target_for_decoding("auto")
 head = load_head(default_head(), target)
 cost = CostModel.from_dict(json.load(open(sys.argv[2])), 16)
 n, batch = int(sys.argv[1]), int(sys.argv[3])
 if batch > 1:
+    from hf_dflash2.prompts import left_pad  # checkouts before session 33 have none; --batch 1 needs none
     ids, mask = left_pad([encode_prompt(tokenizer, p, "cpu") for p in load_humaneval_prompts()[:batch]],
                          tokenizer.pad_token_id)
     with torch.no_grad():

@@ -28,6 +28,8 @@ def parse_pairs(values: list[str], what: str) -> dict[str, str]:
         key, sep, rest = value.partition("=")
         if not sep or not key or not rest:
             raise SystemExit(f"--{what} {value!r}: expected NAME=VALUE")
+        if key in pairs:
+            raise SystemExit(f"--{what} {value!r}: {key} is given twice")
         pairs[key] = rest
     return pairs
 

@@ -12,7 +12,9 @@ again in one process, the arms interleaved per repeat (medians of ``--repeats`` 
 - ``onednn_head_packed_groups``: also each key/value head's query heads folded into SDPA's query axis, as
   ``attention.packed_gqa_sdpa`` does for the target (tried in session 38 and not kept: no faster here).
 
-Writes benchmarks/results/NAME.{json,md} (default ``draft_pass_<cpu kind>``).
+Where ``auto`` leaves the target on the default kernel, the draft rows are not packed either, so the first
+two arms are the same code (the results record the kernel). Writes benchmarks/results/NAME.{json,md}
+(default ``draft_pass_<cpu kind>``).
 """
 
 from __future__ import annotations

@@ -211,15 +211,16 @@ def test_a_full_vocabulary_draft_runs_through_the_targets_packed_lm_head():
 
 def test_a_draft_vocabulary_runs_on_the_kernel_of_the_targets_lm_head(monkeypatch):
     """The draft vocabulary's rows are their own matrix; while the target's LM head is packed on oneDNN they
-    are packed too (the draft pass's largest matmul at batch > 1), on the default kernel they stay on
-    F.linear, and switching the target's kernel switches theirs. Same logits either way."""
+    are packed too (the draft pass's largest matmul at batch > 1), once; on the default kernel, and with
+    gradients, they stay on F.linear; switching the target's kernel back and forth repacks nothing; a target
+    weight written in place is gathered again. Same logits either way."""
     target = tiny_target(vocab_size=96, layers=3)
     drafter = tiny_drafter(target, block_size=4)
     drafter.set_draft_vocab(list(range(0, 96, 2)))
     hidden = torch.randn(2, 3, target.config.hidden_size)
-    calls = []
+    calls, packs = [], []
     mkldnn = torch.ops.mkldnn
-    pointwise = mkldnn._linear_pointwise
+    pointwise, reorder = mkldnn._linear_pointwise, mkldnn._reorder_linear_weight
 
     class Spy:
         def __getattr__(self, name):
@@ -229,19 +230,32 @@ def test_a_draft_vocabulary_runs_on_the_kernel_of_the_targets_lm_head(monkeypatc
             calls.append(tuple(x.shape))
             return pointwise(x, *args)
 
+        def _reorder_linear_weight(self, weight, *args):
+            packs.append(tuple(weight.shape))
+            return reorder(weight, *args)
+
     monkeypatch.setattr(torch.ops, "mkldnn", Spy())
     with torch.no_grad():
         reference, vocab = drafter.unary_logits(hidden)
         assert calls == [] and vocab.tolist() == list(range(0, 96, 2))
         lk.use_linear_kernel(target, "onednn")
-        calls.clear()
+        calls.clear(), packs.clear()
         packed, _ = drafter.unary_logits(hidden)
-        assert calls == [(6, target.config.hidden_size)]
+        drafter.unary_logits(hidden)
+        assert calls == [(6, target.config.hidden_size)] * 2 and packs == [(48, target.config.hidden_size)]
         torch.testing.assert_close(packed, reference, atol=1e-4, rtol=1e-4)
         lk.use_linear_kernel(target, "default")
         calls.clear()
         again, _ = drafter.unary_logits(hidden)
         assert calls == [] and torch.equal(again, reference)
+        lk.use_linear_kernel(target, "onednn")  # back on oneDNN: the rows' packed copy is reused
+        calls.clear(), packs.clear()
+        drafter.unary_logits(hidden)
+        assert packs == [] and calls == [(6, target.config.hidden_size)]
+        target.lm_head.weight.mul_(2.0)  # written in place: the rows are gathered and packed again
+        doubled, _ = drafter.unary_logits(hidden)
+        assert packs == [(48, target.config.hidden_size)]
+        torch.testing.assert_close(doubled, 2 * reference, atol=1e-4, rtol=1e-4)
     lk.use_linear_kernel(target, "onednn")
     calls.clear()
     drafter.unary_logits(hidden.requires_grad_())  # training: gradients flow through F.linear

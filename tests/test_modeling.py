@@ -193,4 +193,3 @@ def test_unbound_drafter_says_how_to_bind():
     drafter.__dict__.pop("_bound_target", None)
     with pytest.raises(RuntimeError, match="bind_target"):
         drafter.embed(torch.tensor([1]))
-

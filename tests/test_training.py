@@ -131,26 +131,36 @@ def test_init_from_takes_weights_and_scale_but_starts_a_fresh_schedule(tmp_path)
     assert all(torch.equal(before[k], after[k]) for k in before)  # a refused source changes nothing
 
 
+def scaled_norms(target, seed: int = 3) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in target.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.mul_(0.5 + torch.rand(parameter.shape, generator=generator))
+
+
 def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     """``--init-layers-from-target``: each head layer starts as the named target layer (attention, MLP, both
-    norms); the q/k norms the target lacks and the conv stay fresh; the run trains from there. A wrong count,
-    a layer outside the target or a shape the target layer lacks is refused by name with nothing copied."""
+    norms); the q/k norms a Llama target lacks and the conv keep their fresh values; the run trains from
+    there. A wrong count, a layer outside the target, a shape the target layer lacks, a parameter the head
+    would drop or another MLP activation is refused by name with nothing copied."""
     from hf_dflash2.training.trainer import copy_target_layers
 
     trainer = make_trainer(tmp_path, steps=3)
     drafter = trainer.accelerator.unwrap_model(trainer.drafter)
     fresh = {k: v.clone() for k, v in drafter.state_dict().items()}
+    scaled_norms(trainer.target)  # so that a copied norm differs from a fresh one
     trainer.initialize_layers_from_target([5, 3])
     target_layers = trainer.target.get_decoder().layers
     copied = 0
-    for head_layer, index in zip(drafter.layers, [5, 3]):
+    for i, (head_layer, index) in enumerate(zip(drafter.layers, [5, 3])):
         theirs = dict(target_layers[index].named_parameters())
         for name, parameter in head_layer.named_parameters():
             if name in theirs:
                 assert torch.equal(parameter, theirs[name]), name
                 copied += 1
-            else:
-                assert name.startswith(("self_attn.q_norm", "self_attn.k_norm", "attention_conv", "mlp_conv")), name
+            else:  # the q/k norms and the conv: as the fresh head had them
+                assert torch.equal(parameter, fresh[f"layers.{i}.{name}"]), name
     assert copied == 2 * 9  # q, k, v, o, gate, up, down and the two layer norms, per layer
     assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, fresh["layers.0.mlp.up_proj.weight"])
     assert torch.equal(drafter.fc.weight, fresh["fc.weight"])  # the rest of the head is a fresh head's
@@ -169,7 +179,37 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     with pytest.raises(ValueError, match=r"mlp.gate_proj.weight \(128, 64\) has no counterpart in target layer 5 "
                                          r"\(shape \(96, 64\)\)"):
         copy_target_layers(head, wider, [5, 4])
+    biased = tiny_target(vocab_size=64, attention_bias=True)  # biases the head has no place for
+    with pytest.raises(ValueError, match=r"target layer 5 has \['self_attn.k_proj.bias', 'self_attn.o_proj.bias', "
+                                         r"'self_attn.q_proj.bias', 'self_attn.v_proj.bias'\]"):
+        copy_target_layers(head, biased, [5, 4])
+    gelu = tiny_target(vocab_size=64, hidden_act="gelu")
+    with pytest.raises(ValueError, match="the target's MLP activation is 'gelu', the head's 'silu'"):
+        copy_target_layers(head, gelu, [5, 4])
     assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())
+
+
+def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
+    from hf_dflash2.training.trainer import copy_target_layers
+
+    target = tiny_target("qwen3", vocab_size=64)
+    scaled_norms(target)
+    drafter = tiny_drafter(target, randomize=False)
+    copied = copy_target_layers(drafter, target, [4, 5])
+    assert "self_attn.q_norm.weight" in copied and "self_attn.k_norm.weight" in copied
+    for head_layer, index in zip(drafter.layers, [4, 5]):
+        theirs = dict(target.get_decoder().layers[index].named_parameters())
+        for name in copied:
+            assert torch.equal(head_layer.get_parameter(name), theirs[name]), name
+    # a norm that applies 1 + w (Gemma's) is copied as the scale it applies, which the head's norms take as w
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from hf_dflash2.training.trainer import _norm_scale
+
+    gemma_norm = Gemma3RMSNorm(8)
+    with torch.no_grad():
+        gemma_norm.weight.copy_(torch.linspace(-0.5, 0.5, 8))
+    torch.testing.assert_close(_norm_scale(gemma_norm, gemma_norm.weight.detach()), 1 + torch.linspace(-0.5, 0.5, 8))
 
 
 def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, monkeypatch):

@@ -98,8 +98,8 @@ TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
 COST_MODEL_VERSION = 6  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
 # 4: keyed by the target's attention implementation (the fast loop runs attention.packed_gqa_sdpa);
-# 5: at batch > 1 timed with a padding mask, as the loop's forwards run; 6: a cheaper draft pass (the drafter's
-# query groups packed, a draft vocabulary on the target LM head's kernel)
+# 5: at batch > 1 timed with a padding mask, as the loop's forwards run; 6: a cheaper draft pass (a draft
+# vocabulary's LM-head rows on the target LM head's kernel)
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:

@@ -35,11 +35,14 @@ def save_head(drafter, folder: str | Path, dtype: torch.dtype | None = None) -> 
         import copy
 
         bound = drafter.__dict__.pop("_bound_target", None)  # never copy the target's weights
+        rows = drafter.__dict__.pop("_draft_head", None)  # nor the draft vocabulary's rows of its LM head
         try:
             model = copy.deepcopy(drafter).to(dtype)
         finally:
             if bound is not None:
                 drafter.__dict__["_bound_target"] = bound
+            if rows is not None:
+                drafter.__dict__["_draft_head"] = rows
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
     try:
         model.save_pretrained(tmp)

@@ -458,6 +458,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         self.__dict__["_bound_target"] = BoundTarget(
             embed.weight, head.weight, getattr(head, "bias", None), text.num_hidden_layers, head
         )
+        self.__dict__.pop("_draft_head", None)  # rows of the previous target's LM head
         return self
 
     def get_input_embeddings(self) -> None:
@@ -494,6 +495,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """
         if token_ids is None:
             self.__dict__["_draft_vocab"] = None
+            self.__dict__.pop("_draft_head", None)
             return self
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
         if ids.numel() == 0:
@@ -512,6 +514,24 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     def draft_vocab(self) -> torch.Tensor | None:
         return self.__dict__.get("_draft_vocab")
 
+    def _draft_head_rows(self, weight: torch.Tensor, bias: torch.Tensor | None, vocab: torch.Tensor, kernel: str | None):
+        """The draft vocabulary's rows of the target's LM head (and bias), gathered once per state of its weight
+        (the same tensor, dtype, device, storage and in-place version), and their oneDNN-packed matmul for
+        ``kernel`` (None where it does not apply) -> (rows [V', H], bias or None, packed or None). The rows are
+        detached: the target's LM head is frozen, and a cached tensor must not carry one call's graph."""
+        state = (weight.dtype, weight.device, weight.data_ptr(), None if weight.is_inference() else weight._version)
+        cached = self.__dict__.get("_draft_head")
+        if cached is None or cached["weight"] is not weight or cached["state"] != state:
+            with torch.inference_mode(False):  # a normal tensor, usable later with gradients on
+                vocab = vocab.to(weight.device)
+                self.__dict__["_draft_vocab"] = vocab
+                cached = {"weight": weight, "state": state, "rows": weight.detach()[vocab].contiguous(),
+                          "bias": None if bias is None else bias.detach()[vocab], "packed": {}}
+            self.__dict__["_draft_head"] = cached
+        if kernel not in cached["packed"]:  # per kernel: switching the target's kernel back and forth repacks nothing
+            cached["packed"][kernel] = _onednn_packed(cached["rows"], kernel)
+        return cached["rows"], cached["bias"], cached["packed"][kernel]
+
     def unary_logits(self, hidden: torch.Tensor, restrict: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """hidden: [..., H] final-normed -> (logits [..., V'], vocab ids [V'] or None when V' = V)."""
         bound = self.bound_target
@@ -520,14 +540,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
         packed = None
         if vocab is not None:
-            cached = self.__dict__.get("_draft_head")
-            if cached is None or cached[0] is not weight or cached[3] != kernel:
-                vocab = vocab.to(weight.device)
-                self.__dict__["_draft_vocab"] = vocab
-                rows = weight[vocab].contiguous()
-                cached = (weight, rows, None if bias is None else bias[vocab], kernel, _onednn_packed(rows, kernel))
-                self.__dict__["_draft_head"] = cached
-            _, weight, bias, _, packed = cached
+            weight, bias, packed = self._draft_head_rows(weight, bias, vocab, kernel)
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
         # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])

@@ -434,7 +434,9 @@ def cmd_train(args) -> int:
             trainer.initialize_from(args.init_from)
         except (FileNotFoundError, ValueError) as error:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
-    elif target_layers_init and not resuming:
+    elif target_layers_init and resuming:
+        logger.info("--init-layers-from-target ignored: resuming from %s", trainer.checkpoint_path)
+    elif target_layers_init:
         try:
             trainer.initialize_layers_from_target(target_layers_init)
         except ValueError as error:

@@ -323,27 +323,56 @@ def widened_fc_weight(weight: torch.Tensor, source_taps: list[int], taps: list[i
 FRESH_LAYER_PARAMETERS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "attention_conv.", "mlp_conv.")
 
 
+def _norm_scale(norm: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """A target norm's per-channel scale as the head's norms apply it (``x * w``): its output for an all-ones
+    input, which covers offset conventions (Gemma's ``1 + w``); the weight itself where the two agree."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0))
+    probe = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    scale = norm(probe).float()[0] * (1.0 + eps) ** 0.5
+    return weight if torch.allclose(scale, weight.float(), rtol=1e-2, atol=1e-4) else scale
+
+
 @torch.no_grad()
 def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int]) -> list[str]:
     """Start head layer i as a copy of target decoder layer ``layer_ids[i]`` (attention projections, MLP,
     both norms): a head layer has a target layer's shapes, and a deep target layer already maps a residual
     stream to what the target's final norm and LM head read, which the head shares. Qwen3-style q/k norms
-    and the conv stay fresh unless the target layer has them too. -> the names copied, per layer. Checked
-    before anything is copied: one target layer per head layer, each within the target, and every other
-    head-layer parameter found in the target layer with the same shape (else a ``ValueError`` naming it)."""
-    layers = target.get_decoder().layers
+    and the conv stay fresh unless the target layer has them too. -> the names copied, per layer.
+
+    Checked before anything is copied, each refusal a ``ValueError`` naming the value: one target layer per
+    head layer, each within the target; the target's MLP activation is the head's (SiLU); every other
+    head-layer parameter is in the target layer with the same shape; and the target layer has nothing the
+    head would drop (Qwen2's attention biases, Gemma's extra norms), since the copy would not compute what
+    the target layer computes. Norms are copied as the scale they apply (``_norm_scale``)."""
+    text = target.config.get_text_config()
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"init_layers_from_target: {type(target).__name__} keeps no decoder layers in "
+                         "get_decoder().layers")
     if len(layer_ids) != len(drafter.layers):
         raise ValueError(f"init_layers_from_target={list(layer_ids)} names {len(layer_ids)} target layers, "
                          f"the head has {len(drafter.layers)}")
     for index in layer_ids:
         if not 0 <= index < len(layers):
             raise ValueError(f"init_layers_from_target: layer {index} is outside the target's {len(layers)} layers")
+    activation = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
+    if activation != drafter.config.hidden_act:
+        raise ValueError(f"init_layers_from_target: the target's MLP activation is {activation!r}, the head's "
+                         f"{drafter.config.hidden_act!r}")
     plan = []
     for head_layer, index in zip(drafter.layers, layer_ids):
         theirs = dict(layers[index].named_parameters())
-        for name, parameter in head_layer.named_parameters():
+        mine = dict(head_layer.named_parameters())
+        dropped = sorted(set(theirs) - set(mine))
+        if dropped:
+            raise ValueError(f"init_layers_from_target: target layer {index} has {dropped}, which the head has no "
+                             "place for")
+        for name, parameter in mine.items():
             source = theirs.get(name)
             if source is not None and source.shape == parameter.shape:
+                if name.endswith("norm.weight"):
+                    source = _norm_scale(layers[index].get_submodule(name.rsplit(".", 1)[0]), source)
                 plan.append((parameter, source, name))
             elif not name.startswith(FRESH_LAYER_PARAMETERS):
                 found = "missing" if source is None else f"shape {tuple(source.shape)}"
