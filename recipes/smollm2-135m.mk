@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -556,3 +556,20 @@ arm-smollm2-s38: store-smollm2-s35
 	$(VENV)/bin/hf-dflash2 train $(S38_ARGS) $(S38_INIT_$(S38_ARM)) --output runs/init_s38_$(S38_ARM)
 	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export
 	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export_ema --ema
+
+# Session 38's follow-up: more of the target's own text for a long run from target-initialised layers (the arms
+# above trained 5 epochs of store_s35_taps). ShareGPT first turns and python-functions prompts past those of
+# sessions 26-34, plain greedy; resumable (run it again to continue). Then store-smollm2-s38 appends them to a
+# copy of store_s35_taps.
+S38_RECORDS ?= 2048
+regenerate-smollm2-s38: setup
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s38.jsonl --skip 7168 --limit $(S38_RECORDS) \
+		--batch-size 64 --max-new-tokens 192
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 6784 --output data/regen_code_s38.jsonl \
+		--limit $(S38_RECORDS) --batch-size 64 --max-new-tokens 192
+
+store-smollm2-s38: regenerate-smollm2-s38
+	test -d data/store_s38 || cp -r data/store_s35_taps data/store_s38
+	$(VENV)/bin/hf-dflash2 store --output data/store_s38 --max-tokens 3000000 \
+		--source data/regen_sharegpt_s34_plain.jsonl,data/regen_code_s34_plain.jsonl,data/regen_sharegpt_s38.jsonl,data/regen_code_s38.jsonl \
+		--target-layer-ids 1,7,14,20,27,29 --max-length 832
