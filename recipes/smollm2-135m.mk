@@ -543,19 +543,22 @@ soup-smollm2-s35: setup
 # two (28, 29), which already map a residual stream to what the shared final norm and LM head read? Two arms
 # from scratch with the same data, steps, seed and recipe, one thread each side by side: S38_ARM=fresh (the
 # control) and S38_ARM=target (--init-layers-from-target 28,29); then held-out tau of both exports on slices 0-1.
+# A third arm: S38_ARM=target S38_LR=3e-4 S38_NAME=target_lr3e-4 (does a lower rate keep more of the copy?).
 S38_STEPS ?= 2000
 S38_ARM ?= target
+S38_LR ?= 1e-3
+S38_NAME ?= $(S38_ARM)
 S38_INIT_fresh :=
 S38_INIT_target := --init-layers-from-target 28,29
 S38_ARGS = --store data/store_s35_taps --target-layer-ids 1,7,14,20,27 --max-length 832 --steps $(S38_STEPS) \
-	--warmup-steps 60 --batch-size 2 --anchors 64 --lr 1e-3 --label-source argmax --layers 2 --block-size 8 \
+	--warmup-steps 60 --batch-size 2 --anchors 64 --lr $(S38_LR) --label-source argmax --layers 2 --block-size 8 \
 	--selector-rank 128 --draft-vocab-size 8192 --mask-token-id 0 --output-scale 0.1 --logit-ramp-steps 0 \
 	--ema-decay 0.998 --eval-every 100000 --eval-prompts 8 --eval-max-new-tokens 64 --checkpoint-every 100 \
 	--log-every 50 --threads 1 --seed 0 --resume
 arm-smollm2-s38: store-smollm2-s35
-	$(VENV)/bin/hf-dflash2 train $(S38_ARGS) $(S38_INIT_$(S38_ARM)) --output runs/init_s38_$(S38_ARM)
-	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export
-	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_ARM) runs/init_s38_$(S38_ARM)/export_ema --ema
+	$(VENV)/bin/hf-dflash2 train $(S38_ARGS) $(S38_INIT_$(S38_ARM)) --output runs/init_s38_$(S38_NAME)
+	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_NAME) runs/init_s38_$(S38_NAME)/export
+	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_NAME) runs/init_s38_$(S38_NAME)/export_ema --ema
 
 # Session 38's follow-up: more of the target's own text for a long run from target-initialised layers (the arms
 # above trained 5 epochs of store_s35_taps). ShareGPT first turns and python-functions prompts past those of
