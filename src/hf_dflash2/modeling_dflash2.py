@@ -536,10 +536,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """hidden: [..., H] final-normed -> (logits [..., V'], vocab ids [V'] or None when V' = V)."""
         bound = self.bound_target
         weight, bias, vocab = bound.lm_head_weight, bound.lm_head_bias, self.draft_vocab if restrict else None
-        # the kernel the target's LM head runs on (``hf_dflash2.linear_kernels`` tags a packed forward)
-        kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
         packed = None
         if vocab is not None:
+            # the kernel the target's LM head runs on (``hf_dflash2.linear_kernels`` tags a packed forward)
+            kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
             weight, bias, packed = self._draft_head_rows(weight, bias, vocab, kernel)
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
         # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
@@ -826,10 +826,18 @@ def target_output_scale(target, hidden_size: int) -> torch.Tensor:
     weight = getattr(final_norm, "weight", None)
     if final_norm is None or weight is None or weight.shape != (hidden_size,):
         return torch.ones(hidden_size)
-    with torch.no_grad():
-        probe = torch.ones(1, hidden_size, dtype=torch.float32, device=weight.device)
-        rms_correction = (1.0 + getattr(final_norm, "eps", getattr(final_norm, "variance_epsilon", 0.0))) ** 0.5
-        return final_norm(probe.to(weight.dtype)).float()[0].cpu() * rms_correction
+    return applied_norm_scale(final_norm)
+
+
+@torch.no_grad()
+def applied_norm_scale(norm: nn.Module) -> torch.Tensor:
+    """The per-channel scale an RMS norm module applies, [H] float32 on the CPU: its output for an all-ones
+    input (whose RMS is 1, corrected for eps), so every convention comes out right (Llama's ``w``, Gemma's
+    ``1 + w``)."""
+    weight = norm.weight
+    probe = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    rms_correction = (1.0 + getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0))) ** 0.5
+    return norm(probe).float()[0].cpu() * rms_correction
 
 
 @torch.no_grad()

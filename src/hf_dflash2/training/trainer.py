@@ -28,7 +28,7 @@ import torch
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from ..modeling_dflash2 import DFlash2DraftModel, calibrated_output_factor
+from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale, calibrated_output_factor
 from ..speculative_dflash2 import last_position, tapped_features
 from .losses import block_loss, decay_gamma
 
@@ -324,12 +324,10 @@ FRESH_LAYER_PARAMETERS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", 
 
 
 def _norm_scale(norm: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """A target norm's per-channel scale as the head's norms apply it (``x * w``): its output for an all-ones
-    input, which covers offset conventions (Gemma's ``1 + w``); the weight itself where the two agree."""
-    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0))
-    probe = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
-    scale = norm(probe).float()[0] * (1.0 + eps) ** 0.5
-    return weight if torch.allclose(scale, weight.float(), rtol=1e-2, atol=1e-4) else scale
+    """A target norm's per-channel scale as the head's norms apply it (``x * w``, ``applied_norm_scale``), which
+    covers offset conventions (Gemma's ``1 + w``); the weight itself where the two agree."""
+    scale = applied_norm_scale(norm)
+    return weight if torch.allclose(scale, weight.float().cpu(), rtol=1e-2, atol=1e-4) else scale
 
 
 @torch.no_grad()
