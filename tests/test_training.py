@@ -165,6 +165,11 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     assert not torch.equal(drafter.layers[0].mlp.up_proj.weight, fresh["layers.0.mlp.up_proj.weight"])
     assert torch.equal(drafter.fc.weight, fresh["fc.weight"])  # the rest of the head is a fresh head's
     assert trainer.initialized_from == {"target_layers": [5, 3]}
+    last = make_trainer(tmp_path / "last", steps=3)
+    last.initialize_layers_from_target("last")  # the target's last layers, as many as the head has
+    assert last.initialized_from == {"target_layers": [4, 5]}
+    assert torch.equal(last.accelerator.unwrap_model(last.drafter).layers[1].mlp.up_proj.weight,
+                       last.target.get_decoder().layers[5].mlp.up_proj.weight)
     trainer.train()
     assert trainer.step == 3 and all(math.isfinite(h["loss"]) for h in trainer.history)
 
@@ -224,7 +229,7 @@ def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, mo
     train = ["train", "--data", str(tmp_path / "regen.jsonl"), "--output", str(tmp_path / "run")]
     with pytest.raises(SystemExit, match="names 3 target layers, the head has --layers 2"):
         main([*train, "--init-layers-from-target", "27,28,29"])
-    with pytest.raises(SystemExit, match="'28,x': expected comma-separated integers"):
+    with pytest.raises(SystemExit, match="'28,x': expected 'last' or comma-separated integers"):
         main([*train, "--init-layers-from-target", "28,x"])
     with pytest.raises(SystemExit, match="give one of them"):
         main([*train, "--init-layers-from-target", "28,29", "--init-from", "heads/smollm2-135m-dflash2"])

@@ -325,11 +325,12 @@ def cmd_train(args) -> int:
             raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r} starts a fresh head; "
                              f"--init-from {args.init_from} starts from trained weights: give one of them")
         try:
-            target_layers_init = [int(i) for i in args.init_layers_from_target.split(",")]
+            target_layers_init = ("last" if args.init_layers_from_target == "last"
+                                  else [int(i) for i in args.init_layers_from_target.split(",")])
         except ValueError:
-            raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r}: expected comma-separated "
-                             "integers, one per head layer, e.g. 28,29") from None
-        if len(target_layers_init) != args.layers:
+            raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r}: expected 'last' or "
+                             "comma-separated integers, one per head layer, e.g. 28,29") from None
+        if target_layers_init != "last" and len(target_layers_init) != args.layers:
             raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r} names "
                              f"{len(target_layers_init)} target layers, the head has --layers {args.layers}")
     if args.threads:
@@ -539,8 +540,8 @@ def _register_train(sub) -> None:
                    help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
                    "(e.g. heads/smollm2-135m-dflash2); weights only, fresh schedule")
     p.add_argument("--init-layers-from-target", default=None,
-                   help="comma-separated target layers, one per head layer: a fresh head whose layers start as "
-                   "copies of them (e.g. 28,29: the target's last two); not with --init-from")
+                   help="comma-separated target layers, one per head layer, or 'last' (the target's last "
+                   "--layers layers): a fresh head whose layers start as copies of them; not with --init-from")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step")
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"],

@@ -330,6 +330,15 @@ def _norm_scale(norm: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
     return weight if torch.allclose(scale, weight.float().cpu(), rtol=1e-2, atol=1e-4) else scale
 
 
+def _target_layers(target) -> torch.nn.ModuleList:
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"init_layers_from_target: {type(target).__name__} keeps no decoder layers in "
+                         "get_decoder().layers")
+    return layers
+
+
 @torch.no_grad()
 def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int]) -> list[str]:
     """Start head layer i as a copy of target decoder layer ``layer_ids[i]`` (attention projections, MLP,
@@ -343,11 +352,7 @@ def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int])
     head would drop (Qwen2's attention biases, Gemma's extra norms), since the copy would not compute what
     the target layer computes. Norms are copied as the scale they apply (``_norm_scale``)."""
     text = target.config.get_text_config()
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"init_layers_from_target: {type(target).__name__} keeps no decoder layers in "
-                         "get_decoder().layers")
+    layers = _target_layers(target)
     if len(layer_ids) != len(drafter.layers):
         raise ValueError(f"init_layers_from_target={list(layer_ids)} names {len(layer_ids)} target layers, "
                          f"the head has {len(drafter.layers)}")
@@ -796,10 +801,14 @@ class Trainer:
         self.initialized_from = {"head": str(folder), "step": steps}
         logger.info("initialized from the saved head %s", folder)
 
-    def initialize_layers_from_target(self, layer_ids: list[int]) -> None:
-        """A fresh head whose layers start as copies of the target's ``layer_ids`` (``copy_target_layers``);
-        everything else (fc, selector, schedule, logit ramp) as in a fresh run."""
-        copied = copy_target_layers(self.accelerator.unwrap_model(self.drafter), self.target, layer_ids)
+    def initialize_layers_from_target(self, layer_ids: list[int] | str) -> None:
+        """A fresh head whose layers start as copies of the target's ``layer_ids`` (or its ``"last"`` ones;
+        ``copy_target_layers``); everything else (fc, selector, schedule, logit ramp) as in a fresh run."""
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        if layer_ids == "last":
+            count = len(_target_layers(self.target))
+            layer_ids = list(range(count - len(drafter.layers), count))
+        copied = copy_target_layers(drafter, self.target, list(layer_ids))
         self.initialized_from = {"target_layers": list(layer_ids)}
         logger.info("head layers initialized from target layers %s (%s)", list(layer_ids), ", ".join(copied))
 
