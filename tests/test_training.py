@@ -166,8 +166,14 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     assert torch.equal(drafter.fc.weight, fresh["fc.weight"])  # the rest of the head is a fresh head's
     assert trainer.initialized_from == {"target_layers": [5, 3]}
     last = make_trainer(tmp_path / "last", steps=3)
-    last.initialize_layers_from_target("last")  # the target's last layers, as many as the head has
-    assert last.initialized_from == {"target_layers": [4, 5]}
+    last_head = last.accelerator.unwrap_model(last.drafter)
+    untouched = {k: v.clone() for k, v in last_head.state_dict().items()}
+    with pytest.raises(ValueError, match="target layer 3 reads tap 2"):  # checked before the layers are copied
+        last.initialize_layers_from_target([3, 5], context=True)
+    assert all(torch.equal(untouched[k], v) for k, v in last_head.state_dict().items())
+    last.initialize_layers_from_target("last", context=True)  # the target's last layers, as many as the head has
+    assert last.initialized_from == {"target_layers": [4, 5], "target_context": 4}
+    assert not torch.equal(last_head.fc.weight, untouched["fc.weight"])
     assert torch.equal(last.accelerator.unwrap_model(last.drafter).layers[1].mlp.up_proj.weight,
                        last.target.get_decoder().layers[5].mlp.up_proj.weight)
     trainer.train()
@@ -217,6 +223,41 @@ def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
     torch.testing.assert_close(_norm_scale(gemma_norm, gemma_norm.weight.detach()), 1 + torch.linspace(-0.5, 0.5, 8))
 
 
+def test_a_context_from_the_target_gives_the_copied_layer_the_targets_own_keys_and_values():
+    """``--init-context-from-target``: fc passes the tap that the first copied layer reads and hidden_norm takes
+    that layer's input norm, so the head layer's context keys (before RoPE) and values equal the target
+    layer's own on the same text. A layer whose input is not tapped is refused with nothing written."""
+    from hf_dflash2.training.trainer import copy_target_context, copy_target_layers
+
+    target = tiny_target("qwen3", vocab_size=64)
+    scaled_norms(target)
+    drafter = tiny_drafter(target, randomize=False, target_layer_ids=[1, 3])
+    copy_target_layers(drafter, target, [4, 5])
+    assert copy_target_context(drafter, target, 4) == 1
+    attention = target.get_decoder().layers[4].self_attn
+    seen = {}
+    hooks = [attention.k_norm.register_forward_hook(lambda m, i, o: seen.setdefault("k", o)),
+             attention.v_proj.register_forward_hook(lambda m, i, o: seen.setdefault("v", o))]
+    ids = torch.randint(2, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        for hook in hooks:
+            hook.remove()
+        context = drafter.project_context(torch.cat([hidden[i + 1] for i in (1, 3)], dim=-1))
+        mine = drafter.layers[0].self_attn
+        k = mine.k_norm(mine.k_proj(context).unflatten(-1, (mine.num_kv_heads, mine.head_dim)))
+        v = mine.v_proj(context)
+    torch.testing.assert_close(k, seen["k"].reshape(k.shape), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(v, seen["v"], rtol=1e-4, atol=1e-4)
+
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    with pytest.raises(ValueError, match=r"target layer 3 reads tap 2, which is not among the head's taps \[1, 3\]"):
+        copy_target_context(drafter, target, 3)
+    with pytest.raises(ValueError, match="layer 6 is outside the target's 6 layers"):
+        copy_target_context(drafter, target, 6)
+    assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
+
+
 def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, monkeypatch):
     from hf_dflash2 import assets
     from hf_dflash2.cli import main
@@ -233,6 +274,8 @@ def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, mo
         main([*train, "--init-layers-from-target", "28,x"])
     with pytest.raises(SystemExit, match="give one of them"):
         main([*train, "--init-layers-from-target", "28,29", "--init-from", "heads/smollm2-135m-dflash2"])
+    with pytest.raises(SystemExit, match="give --init-layers-from-target too"):
+        main([*train, "--init-context-from-target"])
     assert not (tmp_path / "run").exists()
 
 

@@ -333,6 +333,9 @@ def cmd_train(args) -> int:
         if target_layers_init != "last" and len(target_layers_init) != args.layers:
             raise SystemExit(f"--init-layers-from-target {args.init_layers_from_target!r} names "
                              f"{len(target_layers_init)} target layers, the head has --layers {args.layers}")
+    if args.init_context_from_target and target_layers_init is None:
+        raise SystemExit("--init-context-from-target starts the context projection as what the first copied layer "
+                         "reads: give --init-layers-from-target too")
     if args.threads:
         torch.set_num_threads(args.threads)
     precision = resolve_precision(args.mixed_precision)
@@ -439,7 +442,7 @@ def cmd_train(args) -> int:
         logger.info("--init-layers-from-target ignored: resuming from %s", trainer.checkpoint_path)
     elif target_layers_init:
         try:
-            trainer.initialize_layers_from_target(target_layers_init)
+            trainer.initialize_layers_from_target(target_layers_init, context=args.init_context_from_target)
         except ValueError as error:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
     logger.info(
@@ -542,6 +545,10 @@ def _register_train(sub) -> None:
     p.add_argument("--init-layers-from-target", default=None,
                    help="comma-separated target layers, one per head layer, or 'last' (the target's last "
                    "--layers layers): a fresh head whose layers start as copies of them; not with --init-from")
+    p.add_argument("--init-context-from-target", action="store_true",
+                   help="with --init-layers-from-target: fc passes the tap the first copied layer reads (its input) "
+                   "and zeroes the other taps, and hidden_norm takes that layer's input norm, so the copied layer "
+                   "starts attending over the context with the target's own keys and values")
     p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step")
     p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"],

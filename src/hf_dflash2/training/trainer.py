@@ -386,6 +386,32 @@ def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int])
     return sorted({name for _, _, name in plan})
 
 
+@torch.no_grad()
+def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> int:
+    """Start the head's context projection as what target layer ``layer_id`` reads: ``fc`` passes the tap of
+    that layer's input (tap ``layer_id - 1``, the output of the layer below) through unchanged and zeroes the
+    others, and ``hidden_norm`` applies that layer's ``input_layernorm`` scale. A head layer copied from
+    ``layer_id`` then projects the context's keys and values exactly as the target layer does, so its
+    attention over the context starts as the target's own. -> the tap's index among the head's taps.
+
+    Refused by name, before anything is written: ``layer_id`` outside the target, or its input not among the
+    head's taps (``dflash_config.target_layer_ids``)."""
+    layers = _target_layers(target)
+    if not 0 <= layer_id < len(layers):
+        raise ValueError(f"init_context_from_target: layer {layer_id} is outside the target's {len(layers)} layers")
+    taps = drafter.config.target_layer_ids
+    if layer_id - 1 not in taps:
+        raise ValueError(f"init_context_from_target: target layer {layer_id} reads tap {layer_id - 1}, which is not "
+                         f"among the head's taps {taps}")
+    slot, hidden = taps.index(layer_id - 1), drafter.config.hidden_size
+    weight = drafter.fc.weight
+    weight.zero_()
+    weight[:, slot * hidden:(slot + 1) * hidden] = torch.eye(hidden, dtype=weight.dtype, device=weight.device)
+    norm = layers[layer_id].input_layernorm
+    drafter.hidden_norm.weight.copy_(_norm_scale(norm, norm.weight).to(drafter.hidden_norm.weight.dtype))
+    return slot
+
+
 class Trainer:
     def __init__(
         self,
@@ -801,16 +827,28 @@ class Trainer:
         self.initialized_from = {"head": str(folder), "step": steps}
         logger.info("initialized from the saved head %s", folder)
 
-    def initialize_layers_from_target(self, layer_ids: list[int] | str) -> None:
+    def initialize_layers_from_target(self, layer_ids: list[int] | str, context: bool = False) -> None:
         """A fresh head whose layers start as copies of the target's ``layer_ids`` (or its ``"last"`` ones;
-        ``copy_target_layers``); everything else (fc, selector, schedule, logit ramp) as in a fresh run."""
+        ``copy_target_layers``) and, with ``context``, whose context projection starts as what the first of
+        them reads (``copy_target_context``); everything else (selector, schedule, logit ramp) as in a fresh
+        run. Both are checked before either writes."""
         drafter = self.accelerator.unwrap_model(self.drafter)
         if layer_ids == "last":
             count = len(_target_layers(self.target))
             layer_ids = list(range(count - len(drafter.layers), count))
-        copied = copy_target_layers(drafter, self.target, list(layer_ids))
-        self.initialized_from = {"target_layers": list(layer_ids)}
-        logger.info("head layers initialized from target layers %s (%s)", list(layer_ids), ", ".join(copied))
+        layer_ids = list(layer_ids)
+        taps = drafter.config.target_layer_ids
+        if context and layer_ids and layer_ids[0] - 1 not in taps:
+            raise ValueError(f"init_context_from_target: target layer {layer_ids[0]} reads tap {layer_ids[0] - 1}, "
+                             f"which is not among the head's taps {taps}")
+        copied = copy_target_layers(drafter, self.target, layer_ids)
+        self.initialized_from = {"target_layers": layer_ids}
+        logger.info("head layers initialized from target layers %s (%s)", layer_ids, ", ".join(copied))
+        if context:
+            slot = copy_target_context(drafter, self.target, layer_ids[0])
+            self.initialized_from["target_context"] = layer_ids[0]
+            logger.info("context projection initialized as target layer %d's input (tap %d, fc slot %d)",
+                        layer_ids[0], layer_ids[0] - 1, slot)
 
     def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
         """``weights`` grown to this run's layer count when the run has more layers than the source, and its
