@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 long-smollm2-s38
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 long-smollm2-s38 arm-smollm2-s39
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -591,3 +591,24 @@ long-smollm2-s38: store-smollm2-s38
 		--stop-after-minutes $(S38_LONG_MINUTES)
 	$(PY) -m hf_dflash2.training.export runs/long_s38_target runs/long_s38_target/export
 	$(PY) -m hf_dflash2.training.export runs/long_s38_target runs/long_s38_target/export_ema --ema
+
+# Session 39: does the head learn faster still when its context projection also starts as the target's? Two arms
+# from scratch on data/store_s38 (1.6M tokens), same data order, seed and recipe as session 38's, one thread
+# each side by side: S39_ARM=layers (the target's last two layers, session 38's better arm, the control) and
+# S39_ARM=context (the same, plus --init-context-from-target: fc passes tap 27, the input of layer 28, and
+# hidden_norm takes that layer's input norm, so the first head layer starts with the target's own context keys
+# and values). The trainer's held-out evaluation every S39_EVAL steps draws each arm's curve; the arm stops
+# after S39_MINUTES (resumable) and exports; then held-out tau of the exports on slices 0-1.
+S39_ARM ?= context
+S39_STEPS ?= 7000
+S39_EVAL ?= 1000
+S39_MINUTES ?= 110
+S39_INIT_layers := --init-layers-from-target last
+S39_INIT_context := --init-layers-from-target last --init-context-from-target
+S39_ARGS = $(subst --eval-every 100000,--eval-every $(S39_EVAL),$(subst --steps $(S38_STEPS),--steps $(S39_STEPS),$(subst \
+	data/store_s35_taps,data/store_s38,$(S38_ARGS))))
+arm-smollm2-s39: store-smollm2-s38
+	$(VENV)/bin/hf-dflash2 train $(S39_ARGS) $(S39_INIT_$(S39_ARM)) --output runs/s39_$(S39_ARM) \
+		--stop-after-minutes $(S39_MINUTES)
+	$(PY) -m hf_dflash2.training.export runs/s39_$(S39_ARM) runs/s39_$(S39_ARM)/export
+	$(PY) -m hf_dflash2.training.export runs/s39_$(S39_ARM) runs/s39_$(S39_ARM)/export_ema --ema

@@ -258,6 +258,39 @@ def test_a_context_from_the_target_gives_the_copied_layer_the_targets_own_keys_a
     assert all(torch.equal(before[k], v) for k, v in drafter.state_dict().items())
 
 
+def test_a_llama_targets_query_and_key_scale_is_kept_by_the_heads_norms():
+    """A target without q/k norms (Llama): the head's per-head norms would put every copied query and key at
+    unit RMS; calibrated, they carry the target layer's mean per-head RMS on the given text, one scale per
+    layer. A Qwen3 target keeps the norms it copied."""
+    from hf_dflash2.training.trainer import calibrate_query_key_norms, copy_target_layers
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, randomize=False)
+    copy_target_layers(drafter, target, [4, 5])
+    ids = torch.randint(2, 64, (1, 16), generator=torch.Generator().manual_seed(0))
+    scales = calibrate_query_key_norms(drafter, target, [4, 5], ids)
+    assert sorted(scales) == [4, 5]
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+    for head_layer, index in zip(drafter.layers, [4, 5]):
+        theirs = target.get_decoder().layers[index]
+        x = theirs.input_layernorm(hidden[index])
+        for proj, norm, scale in (("q_proj", "q_norm", scales[index][0]), ("k_proj", "k_norm", scales[index][1])):
+            out = getattr(theirs.self_attn, proj)(x).unflatten(-1, (-1, head_layer.self_attn.head_dim))
+            expected = out.pow(2).mean(-1).sqrt().mean().item()
+            assert scale == pytest.approx(expected, rel=1e-4)
+            assert torch.allclose(getattr(head_layer.self_attn, norm).weight, torch.tensor(expected), rtol=1e-4)
+        assert scales[index][0] != pytest.approx(1.0, abs=0.05)  # a scale the fresh norms did not have
+
+    qwen = tiny_target("qwen3", vocab_size=64)
+    scaled_norms(qwen)
+    head = tiny_drafter(qwen, randomize=False)
+    copy_target_layers(head, qwen, [4, 5])
+    copied = head.layers[0].self_attn.q_norm.weight.clone()
+    assert calibrate_query_key_norms(head, qwen, [4, 5], ids) == {}
+    assert torch.equal(head.layers[0].self_attn.q_norm.weight, copied)
+
+
 def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, monkeypatch):
     from hf_dflash2 import assets
     from hf_dflash2.cli import main

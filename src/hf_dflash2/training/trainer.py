@@ -391,8 +391,10 @@ def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> in
     """Start the head's context projection as what target layer ``layer_id`` reads: ``fc`` passes the tap of
     that layer's input (tap ``layer_id - 1``, the output of the layer below) through unchanged and zeroes the
     others, and ``hidden_norm`` applies that layer's ``input_layernorm`` scale. A head layer copied from
-    ``layer_id`` then projects the context's keys and values exactly as the target layer does, so its
-    attention over the context starts as the target's own. -> the tap's index among the head's taps.
+    ``layer_id`` then projects the context's keys and values as the target layer does (exactly for a target
+    with q/k norms; for one without, the head's key norm leaves the direction and ``calibrate_query_key_norms``
+    the typical scale), so its attention over the context starts as the target's own. -> the tap's index among
+    the head's taps.
 
     Refused by name, before anything is written: ``layer_id`` outside the target, or its input not among the
     head's taps (``dflash_config.target_layer_ids``)."""
@@ -410,6 +412,42 @@ def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> in
     norm = layers[layer_id].input_layernorm
     drafter.hidden_norm.weight.copy_(_norm_scale(norm, norm.weight).to(drafter.hidden_norm.weight.dtype))
     return slot
+
+
+@torch.no_grad()
+def calibrate_query_key_norms(drafter: DFlash2DraftModel, target, layer_ids: list[int], input_ids: torch.Tensor
+                              ) -> dict[int, tuple[float, float]]:
+    """For copied layers whose target layer has no q/k norms (Llama, Mistral): the head's q/k norms (Qwen3-style,
+    one RMS norm per head) set every query and key to unit RMS, which changes the copied attention's temperature.
+    Their weights become the mean per-head RMS of that target layer's queries and keys on ``input_ids`` [1, T]
+    (training text), so the normed ones keep the target's typical scale. -> {target layer: (query, key) scale}."""
+    layers = _target_layers(target)
+    wanted = [(head_layer, index) for head_layer, index in zip(drafter.layers, layer_ids)
+              if not hasattr(layers[index].self_attn, "q_norm")]
+    if not wanted:
+        return {}
+    seen, hooks = {}, []
+    for _, index in wanted:
+        attention = layers[index].self_attn
+        for name in ("q_proj", "k_proj"):
+            hooks.append(getattr(attention, name).register_forward_hook(
+                lambda module, args, out, key=(index, name): seen.__setitem__(key, out.float())))
+    try:
+        target(input_ids.to(target.device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    scales = {}
+    for head_layer, index in wanted:
+        attention = head_layer.self_attn
+
+        def rms(out):
+            return out.unflatten(-1, (-1, attention.head_dim)).pow(2).mean(-1).sqrt().mean().item()
+
+        scales[index] = (rms(seen[(index, "q_proj")]), rms(seen[(index, "k_proj")]))
+        attention.q_norm.weight.fill_(scales[index][0])
+        attention.k_norm.weight.fill_(scales[index][1])
+    return scales
 
 
 class Trainer:
@@ -830,8 +868,9 @@ class Trainer:
     def initialize_layers_from_target(self, layer_ids: list[int] | str, context: bool = False) -> None:
         """A fresh head whose layers start as copies of the target's ``layer_ids`` (or its ``"last"`` ones;
         ``copy_target_layers``) and, with ``context``, whose context projection starts as what the first of
-        them reads (``copy_target_context``); everything else (selector, schedule, logit ramp) as in a fresh
-        run. Both are checked before either writes."""
+        them reads (``copy_target_context``) and whose q/k norms keep the target's query and key scale where
+        the target has none (``calibrate_query_key_norms``, on the first training sequence); everything else
+        (selector, schedule, logit ramp) as in a fresh run. Layers and context are checked before either writes."""
         drafter = self.accelerator.unwrap_model(self.drafter)
         if layer_ids == "last":
             count = len(_target_layers(self.target))
@@ -849,6 +888,10 @@ class Trainer:
             self.initialized_from["target_context"] = layer_ids[0]
             logger.info("context projection initialized as target layer %d's input (tap %d, fc slot %d)",
                         layer_ids[0], layer_ids[0] - 1, slot)
+            text = torch.tensor([self.sequences[0]["input_ids"][:512]])
+            for index, (query, key) in calibrate_query_key_norms(drafter, self.target, layer_ids, text).items():
+                logger.info("head q/k norms for target layer %d set to its query / key RMS %.3f / %.3f",
+                            index, query, key)
 
     def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
         """``weights`` grown to this run's layer count when the run has more layers than the source, and its
