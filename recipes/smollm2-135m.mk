@@ -597,7 +597,8 @@ long-smollm2-s38: store-smollm2-s38
 # each side by side: S39_ARM=layers (the target's last two layers, session 38's better arm, the control) and
 # S39_ARM=context (the same, plus --init-context-from-target: fc passes tap 27, the input of layer 28, and
 # hidden_norm takes that layer's input norm, so the first head layer starts with the target's own context keys
-# and values). The trainer's held-out evaluation every S39_EVAL steps draws each arm's curve; the arm stops
+# and values; the head's q/k norms start at the target layers' query / key RMS, which a Llama target has no norm
+# for: one arm for both, the whole attention as the target's). The trainer's held-out evaluation every S39_EVAL steps draws each arm's curve; the arm stops
 # after S39_MINUTES (resumable) and exports; then held-out tau of the exports on slices 0-1.
 S39_ARM ?= context
 S39_STEPS ?= 7000

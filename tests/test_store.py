@@ -429,6 +429,26 @@ def test_a_head_tapping_some_of_the_stores_layers_reads_their_columns(tmp_path):
         Trainer(target, outside, store_sequences(store, 512), config, store=store)
 
 
+def test_a_store_run_starts_its_context_from_the_target(tmp_path):
+    """``--init-context-from-target`` on a store run reads its calibration text from the store, and fc in
+    its standardized space passes on exactly what the first copied layer reads."""
+    target = tiny_target(vocab_size=64)
+    records = random_records(n=3)
+    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)))
+    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=[1, 3])
+    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=1, batch_size=1)
+    trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
+    trainer.initialize_layers_from_target("last", context=True)
+    assert trainer.initialized_from["target_context"] == 4 and "4" in trainer.initialized_from["query_key_scales"]
+    record = records[trainer.sequences[0]["store_index"]]
+    with torch.no_grad():
+        states = target(input_ids=torch.tensor([record["input_ids"]]), output_hidden_states=True).hidden_states
+        expected = target.get_decoder().layers[4].input_layernorm(states[4])
+        context = drafter.project_context(trainer.sequence_item(0)["features"].float() / trainer.feature_scale)
+    torch.testing.assert_close(context, expected, rtol=2e-2, atol=2e-2)  # the store keeps bf16 features
+    trainer.train()
+
+
 def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_labels(tmp_path):
     from hf_dflash2.training.trainer import final_hidden_for_blocks, target_labels_for_blocks
 

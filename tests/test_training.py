@@ -167,13 +167,30 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     assert trainer.initialized_from == {"target_layers": [5, 3]}
     last = make_trainer(tmp_path / "last", steps=3)
     last_head = last.accelerator.unwrap_model(last.drafter)
+    with torch.no_grad():  # layer 4's input norm unlike a fresh hidden_norm (the taps below it stay as cached)
+        last.target.get_decoder().layers[4].input_layernorm.weight.copy_(torch.linspace(0.5, 1.5, 64))
     untouched = {k: v.clone() for k, v in last_head.state_dict().items()}
     with pytest.raises(ValueError, match="target layer 3 reads tap 2"):  # checked before the layers are copied
         last.initialize_layers_from_target([3, 5], context=True)
+    with pytest.raises(ValueError, match="target layer 0 reads the embeddings"):
+        last.initialize_layers_from_target([0, 5], context=True)
     assert all(torch.equal(untouched[k], v) for k, v in last_head.state_dict().items())
     last.initialize_layers_from_target("last", context=True)  # the target's last layers, as many as the head has
-    assert last.initialized_from == {"target_layers": [4, 5], "target_context": 4}
-    assert not torch.equal(last_head.fc.weight, untouched["fc.weight"])
+    assert last.initialized_from["target_layers"] == [4, 5] and last.initialized_from["target_context"] == 4
+    # fc trains on standardized features (features / scale): what it passes on is still layer 4's own input
+    assert last.feature_scale is not None
+    item = last.sequence_item(0)
+    with torch.no_grad():
+        context = last_head.project_context(item["features"].float() / last.feature_scale)
+        states = last.target(torch.as_tensor(last.sequences[0]["input_ids"])[None], output_hidden_states=True)
+        expected = last.target.get_decoder().layers[4].input_layernorm(states.hidden_states[4])
+    torch.testing.assert_close(context, expected, rtol=1e-3, atol=1e-3)
+    query, key = last.initialized_from["query_key_scales"]["4"]  # a Llama target: the q/k norms calibrated
+    assert last_head.layers[0].self_attn.q_norm.weight[0].item() == pytest.approx(query)
+    assert last_head.layers[0].self_attn.k_norm.weight[0].item() == pytest.approx(key)
+    too_deep = make_trainer(tmp_path / "deep", steps=3, layers=7)
+    with pytest.raises(ValueError, match="'last': the head's 7 layers exceed the target's 6"):
+        too_deep.initialize_layers_from_target("last")
     assert torch.equal(last.accelerator.unwrap_model(last.drafter).layers[1].mlp.up_proj.weight,
                        last.target.get_decoder().layers[5].mlp.up_proj.weight)
     trainer.train()
@@ -309,6 +326,10 @@ def test_init_layers_from_target_is_checked_before_the_target_loads(tmp_path, mo
         main([*train, "--init-layers-from-target", "28,29", "--init-from", "heads/smollm2-135m-dflash2"])
     with pytest.raises(SystemExit, match="give --init-layers-from-target too"):
         main([*train, "--init-context-from-target"])
+    record = {"prompt_ids": list(range(10, 20)), "response_ids": list(range(20, 40))}
+    (tmp_path / "regen.jsonl").write_text(json.dumps(record) + "\n")
+    with pytest.raises(AssertionError, match="must not load"):  # 'last' passes the checks: the target loads next
+        main([*train, "--init-layers-from-target", "last", "--layers", "3", "--init-context-from-target"])
     assert not (tmp_path / "run").exists()
 
 

@@ -439,7 +439,8 @@ def cmd_train(args) -> int:
         except (FileNotFoundError, ValueError) as error:
             raise SystemExit(f"hf-dflash2 train: {error}") from None
     elif target_layers_init and resuming:
-        logger.info("--init-layers-from-target ignored: resuming from %s", trainer.checkpoint_path)
+        logger.info("--init-layers-from-target%s ignored: resuming from %s",
+                    " and --init-context-from-target" if args.init_context_from_target else "", trainer.checkpoint_path)
     elif target_layers_init:
         try:
             trainer.initialize_layers_from_target(target_layers_init, context=args.init_context_from_target)

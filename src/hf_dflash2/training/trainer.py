@@ -334,7 +334,7 @@ def _target_layers(target) -> torch.nn.ModuleList:
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"init_layers_from_target: {type(target).__name__} keeps no decoder layers in "
+        raise ValueError(f"initializing from the target: {type(target).__name__} keeps no decoder layers in "
                          "get_decoder().layers")
     return layers
 
@@ -386,6 +386,17 @@ def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int])
     return sorted({name for _, _, name in plan})
 
 
+def _check_context_layer(drafter: DFlash2DraftModel, layers: torch.nn.ModuleList, layer_id: int) -> None:
+    if not 0 <= layer_id < len(layers):
+        raise ValueError(f"init_context_from_target: layer {layer_id} is outside the target's {len(layers)} layers")
+    taps = drafter.config.target_layer_ids
+    if layer_id == 0:
+        raise ValueError("init_context_from_target: target layer 0 reads the embeddings, which are never tapped")
+    if layer_id - 1 not in taps:
+        raise ValueError(f"init_context_from_target: target layer {layer_id} reads tap {layer_id - 1}, which is not "
+                         f"among the head's taps {taps}")
+
+
 @torch.no_grad()
 def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> int:
     """Start the head's context projection as what target layer ``layer_id`` reads: ``fc`` passes the tap of
@@ -399,12 +410,8 @@ def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> in
     Refused by name, before anything is written: ``layer_id`` outside the target, or its input not among the
     head's taps (``dflash_config.target_layer_ids``)."""
     layers = _target_layers(target)
-    if not 0 <= layer_id < len(layers):
-        raise ValueError(f"init_context_from_target: layer {layer_id} is outside the target's {len(layers)} layers")
+    _check_context_layer(drafter, layers, layer_id)
     taps = drafter.config.target_layer_ids
-    if layer_id - 1 not in taps:
-        raise ValueError(f"init_context_from_target: target layer {layer_id} reads tap {layer_id - 1}, which is not "
-                         f"among the head's taps {taps}")
     slot, hidden = taps.index(layer_id - 1), drafter.config.hidden_size
     weight = drafter.fc.weight
     weight.zero_()
@@ -433,7 +440,7 @@ def calibrate_query_key_norms(drafter: DFlash2DraftModel, target, layer_ids: lis
             hooks.append(getattr(attention, name).register_forward_hook(
                 lambda module, args, out, key=(index, name): seen.__setitem__(key, out.float())))
     try:
-        target(input_ids.to(target.device))
+        target(input_ids.to(target.device), logits_to_keep=1)
     finally:
         for hook in hooks:
             hook.remove()
@@ -868,30 +875,40 @@ class Trainer:
     def initialize_layers_from_target(self, layer_ids: list[int] | str, context: bool = False) -> None:
         """A fresh head whose layers start as copies of the target's ``layer_ids`` (or its ``"last"`` ones;
         ``copy_target_layers``) and, with ``context``, whose context projection starts as what the first of
-        them reads (``copy_target_context``) and whose q/k norms keep the target's query and key scale where
-        the target has none (``calibrate_query_key_norms``, on the first training sequence); everything else
-        (selector, schedule, logit ramp) as in a fresh run. Layers and context are checked before either writes."""
+        them reads (``copy_target_context``, in the standardized space ``fc`` trains in) and whose q/k norms keep
+        the target's query and key scale where the target has none (``calibrate_query_key_norms``, on the first
+        training sequence); everything else (selector, schedule, logit ramp) as in a fresh run. Layers and
+        context are checked before either writes."""
         drafter = self.accelerator.unwrap_model(self.drafter)
+        target_layers = _target_layers(self.target)
         if layer_ids == "last":
-            count = len(_target_layers(self.target))
-            layer_ids = list(range(count - len(drafter.layers), count))
+            if len(drafter.layers) > len(target_layers):
+                raise ValueError(f"init_layers_from_target='last': the head's {len(drafter.layers)} layers exceed "
+                                 f"the target's {len(target_layers)}")
+            layer_ids = list(range(len(target_layers) - len(drafter.layers), len(target_layers)))
         layer_ids = list(layer_ids)
-        taps = drafter.config.target_layer_ids
-        if context and layer_ids and layer_ids[0] - 1 not in taps:
-            raise ValueError(f"init_context_from_target: target layer {layer_ids[0]} reads tap {layer_ids[0] - 1}, "
-                             f"which is not among the head's taps {taps}")
+        if context:
+            _check_context_layer(drafter, target_layers, layer_ids[0])
+            first = self.sequences[0]
+            ids = self.store[first["store_index"]]["input_ids"] if self.store is not None else first["input_ids"]
+            text = torch.as_tensor(ids)[:512][None]
         copied = copy_target_layers(drafter, self.target, layer_ids)
         self.initialized_from = {"target_layers": layer_ids}
         logger.info("head layers initialized from target layers %s (%s)", layer_ids, ", ".join(copied))
-        if context:
-            slot = copy_target_context(drafter, self.target, layer_ids[0])
-            self.initialized_from["target_context"] = layer_ids[0]
-            logger.info("context projection initialized as target layer %d's input (tap %d, fc slot %d)",
-                        layer_ids[0], layer_ids[0] - 1, slot)
-            text = torch.tensor([self.sequences[0]["input_ids"][:512]])
-            for index, (query, key) in calibrate_query_key_norms(drafter, self.target, layer_ids, text).items():
-                logger.info("head q/k norms for target layer %d set to its query / key RMS %.3f / %.3f",
-                            index, query, key)
+        if not context:
+            return
+        slot = copy_target_context(drafter, self.target, layer_ids[0])
+        if self.feature_scale is not None:  # fc reads features / scale in training: the pass-through is I * scale
+            with torch.no_grad():
+                drafter.fc.weight.mul_(self.feature_scale.to(drafter.fc.weight)[None])
+        self.initialized_from["target_context"] = layer_ids[0]
+        logger.info("context projection initialized as target layer %d's input (tap %d, fc slot %d)",
+                    layer_ids[0], layer_ids[0] - 1, slot)
+        scales = calibrate_query_key_norms(drafter, self.target, layer_ids, text)
+        if scales:
+            self.initialized_from["query_key_scales"] = {str(index): list(pair) for index, pair in scales.items()}
+            logger.info("head q/k norms set to the target layers' query / key RMS: %s",
+                        ", ".join(f"{index}: {q:.3f} / {k:.3f}" for index, (q, k) in scales.items()))
 
     def _grown(self, path: Path, source_config: dict, weights: dict) -> dict:
         """``weights`` grown to this run's layer count when the run has more layers than the source, and its
