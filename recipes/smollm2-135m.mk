@@ -593,8 +593,8 @@ long-smollm2-s38: store-smollm2-s38
 	$(PY) -m hf_dflash2.training.export runs/long_s38_target runs/long_s38_target/export_ema --ema
 
 # Session 39: does the head learn faster still when its context projection also starts as the target's? Two arms
-# from scratch on data/store_s38 (1.6M tokens), same data order, seed and recipe as session 38's, one thread
-# each side by side: S39_ARM=layers (the target's last two layers, session 38's better arm, the control) and
+# from scratch on session 38's store (store_s35_taps, 552K tokens; a fresh checkout rebuilds it in ~25 minutes
+# here), same data order, seed and recipe as session 38's arms, one thread each side by side: S39_ARM=layers (the target's last two layers, session 38's better arm, the control) and
 # S39_ARM=context (the same, plus --init-context-from-target: fc passes tap 27, the input of layer 28, and
 # hidden_norm takes that layer's input norm, so the first head layer starts with the target's own context keys
 # and values; the head's q/k norms start at the target layers' query / key RMS, which a Llama target has no norm
@@ -606,9 +606,8 @@ S39_EVAL ?= 1000
 S39_MINUTES ?= 110
 S39_INIT_layers := --init-layers-from-target last
 S39_INIT_context := --init-layers-from-target last --init-context-from-target
-S39_ARGS = $(subst --eval-every 100000,--eval-every $(S39_EVAL),$(subst --steps $(S38_STEPS),--steps $(S39_STEPS),$(subst \
-	data/store_s35_taps,data/store_s38,$(S38_ARGS))))
-arm-smollm2-s39: store-smollm2-s38
+S39_ARGS = $(subst --eval-every 100000,--eval-every $(S39_EVAL),$(subst --steps $(S38_STEPS),--steps $(S39_STEPS),$(S38_ARGS)))
+arm-smollm2-s39: store-smollm2-s35
 	$(VENV)/bin/hf-dflash2 train $(S39_ARGS) $(S39_INIT_$(S39_ARM)) --output runs/s39_$(S39_ARM) \
 		--stop-after-minutes $(S39_MINUTES)
 	$(PY) -m hf_dflash2.training.export runs/s39_$(S39_ARM) runs/s39_$(S39_ARM)/export

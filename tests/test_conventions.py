@@ -319,6 +319,14 @@ def test_for_target_builds_a_fresh_head_like_the_config():
     again = DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4)
     assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), again.state_dict().values()))
     drafter.bind_target(target)  # sized for the target: binds without complaint
+    shown = repr(drafter)  # what print(drafter) shows: the norms, the conv and the selector's codebooks too
+    assert "DFlash2RMSNorm((64,), eps=" in shown and "taps=2, group_size=" in shown
+    assert "top_k=4, rank=16, codebooks=2 x (" in shown
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4, seed=5)
+    assert torch.equal(torch.rand(4), expected)  # a seeded head leaves the caller's random stream alone
 
 
 def test_output_scale_damps_a_fresh_heads_output_norm_and_the_logit_ramp_follows():

@@ -48,6 +48,9 @@ class DFlash2RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
 
 class DFlash2RotaryEmbedding(nn.Module):
     """RoPE at arbitrary absolute positions (the block sits after the context, rows can differ).
@@ -115,6 +118,9 @@ class DFlash2Conv(nn.Module):
         self.kernel_projection = nn.Linear(hidden, 2 * self.taps * hidden // self.group_size, bias=False)
         self.kernel_projection._dflash_zero_init = True  # identity conv: read by _init_weights
         self.reset_to_identity()
+
+    def extra_repr(self) -> str:
+        return f"taps={self.taps}, group_size={self.group_size}, base_kernel={tuple(self.base_kernel.shape)}"
 
     @torch.no_grad()
     def reset_to_identity(self) -> None:
@@ -257,6 +263,10 @@ class DFlash2CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(config.hidden_size, rank, bias=False)
         self.predecessor_codebook = nn.Parameter(torch.empty(config.vocab_size, rank))
         self.successor_codebook = nn.Parameter(torch.zeros(config.vocab_size, rank))
+
+    def extra_repr(self) -> str:
+        vocab, rank = self.predecessor_codebook.shape
+        return f"top_k={self.top_k}, rank={rank}, codebooks=2 x ({vocab}, {rank})"
 
     def pair_tables(
         self, hidden: torch.Tensor, unary: torch.Tensor, candidate_ids: torch.Tensor, predecessor_ids: torch.Tensor
@@ -406,16 +416,18 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         on SmolLM2: 0.8 % of the scale, loss flat for 40 steps); the trainer instead ramps a logit scale
         from ``calibrated_output_factor`` to 1 over its first steps. ``output_scale`` multiplies that start
         (the trainer's ``--output-scale``: a head whose logits can span only a fraction of the target's
-        trains more stably). Same seed -> same weights.
+        trains more stably). Same seed -> same weights, and the caller's global random state is left as it was.
         """
         if not 0 < output_scale <= 1:
             raise ValueError(f"output_scale must be in (0, 1], got {output_scale}")
         config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size,
                                           dflash2=dflash2, **config_kwargs)
-        if seed is not None:
-            torch.manual_seed(seed)
         embed = target.get_input_embeddings().weight
-        drafter = cls(config).to(device=embed.device, dtype=embed.dtype)
+        with torch.random.fork_rng(devices=[]):  # the weights are drawn on the CPU; the caller's stream is kept
+            if seed is not None:
+                torch.manual_seed(seed)
+            drafter = cls(config)
+        drafter = drafter.to(device=embed.device, dtype=embed.dtype)
         with torch.no_grad():
             drafter.norm.weight.copy_(target_output_scale(target, config.hidden_size) * output_scale)
         return drafter
