@@ -47,6 +47,22 @@ def test_plain_save_pretrained_writes_auto_map_code_and_custom_generate(tmp_path
     assert (tmp_path / "head" / "custom_generate" / "generate.py").is_file()
 
 
+@pytest.mark.parametrize("implementation", ["flash_attention_2", "flex_attention", "eager"])
+def test_any_attn_implementation_loads_the_head_on_its_own_sdpa(tmp_path, implementation):
+    """Users load every model with ``attn_implementation=...``; the drafter's attention is its own SDPA
+    call, so any request loads (with a warning) and drafts exactly as the default load does."""
+    from hf_dflash2 import DFlash2DraftModel
+
+    target = tiny_target()
+    tiny_drafter(target).save_pretrained(tmp_path / "head")
+    plain = DFlash2DraftModel.from_pretrained(tmp_path / "head")
+    asked = DFlash2DraftModel.from_pretrained(tmp_path / "head", attn_implementation=implementation)
+    assert asked.config._attn_implementation == "sdpa"
+    features = torch.randn(1, 5, plain.fc.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(asked.project_context(features), plain.project_context(features))
+
+
 def test_plain_save_pretrained_loads_without_the_package(tmp_path):
     target = tiny_target()
     drafter = tiny_drafter(target)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.utils import logging
 
 from .candidate_generator_dflash2 import candidate_generator_for, install_generate_hook
 from .configuration_dflash2 import DFlash2Config
@@ -363,6 +364,16 @@ class DFlash2PreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["DFlash2DecoderLayer"]
     _supports_sdpa = True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation=None, *args, **kwargs) -> str:
+        """The drafter's attention is its own SDPA call (a block over [context, block] keys with a sparse
+        mask), whatever the target uses: a request for another implementation (users load every model with
+        ``attn_implementation="flash_attention_2"``) is read as SDPA, with a warning, instead of refused."""
+        if attn_implementation not in (None, "sdpa"):
+            logging.get_logger(__name__).warning_once(
+                f"DFlash2DraftModel: attn_implementation={attn_implementation!r} is read as 'sdpa' (the drafter "
+                "runs its own SDPA attention over context and block)")
+        return "sdpa"
 
     @torch.no_grad()
     def _init_weights(self, module):
