@@ -223,6 +223,21 @@ def test_batch_rows_finish_at_their_own_eos(setup):
     assert int(out.num_generated[1]) <= 5
 
 
+def test_rows_that_end_early_are_padded_with_eos_when_the_target_has_no_pad_token(setup):
+    """As ``generate``: with no pad token anywhere (Llama 3's case), finished rows are filled with the first
+    EOS id, not with token 0 (a real token there)."""
+    target, drafter = setup
+    target.config.pad_token_id = target.generation_config.pad_token_id = None
+    ids = torch.randint(2, 64, (3, 5), generator=torch.Generator().manual_seed(10))
+    eos = int(plain(target, ids[1:2], 25)[0, 9])  # row 1 stops early
+    expected = plain(target, ids, 25, eos_token_id=[eos, 63])
+    assert (expected == eos).sum() > 1  # generate padded a row with EOS
+    out = speculative_generate(target, drafter, ids, max_new_tokens=25, eos_token_id=[eos, 63])
+    width = expected.shape[1]
+    assert torch.equal(out.sequences[:, :width], expected)
+    assert (out.sequences[:, width:] == eos).all()
+
+
 def _sequence_law(target, prompt, tokens, temperature, top_k, top_p):
     """Exact P(first ... ``tokens``-th generated token) of the target under the processors: [V] * tokens."""
     from hf_dflash2.speculative_dflash2 import process_logits

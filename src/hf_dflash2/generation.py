@@ -969,9 +969,13 @@ def speculative_generate(
         raise ValueError(f"streamer needs batch size 1, got {n_rows} rows{copies_note}")
     drafter.bind_target(target)
     device = input_ids.device
-    pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
-    if isinstance(pad_token_id, list):
-        pad_token_id = pad_token_id[0]
+    # generate's fallback: with no pad token, finished rows are filled with the first EOS id (0 is a real token)
+    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(pad_token_id, (list, tuple)):
+        pad_token_id = pad_token_id[0] if pad_token_id else None
+    if isinstance(pad_token_id, torch.Tensor):
+        pad_token_id = int(pad_token_id.flatten()[0])
+    pad_token_id = 0 if pad_token_id is None else pad_token_id
     stats = SpeculativeStats(block_size)
     returned = bool(config.return_dict_in_generate)
     want_scores, want_logits = returned and bool(config.output_scores), returned and bool(config.output_logits)
