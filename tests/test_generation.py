@@ -203,6 +203,12 @@ def test_batch_with_left_padding_equals_each_row_alone(setup):
         alone = plain(target, p[None], budgets)[0, len(p):]
         assert torch.equal(out.sequences[row, width:], alone), row
     assert out.num_generated.tolist() == [20] * 4
+    # no mask given: as generate, the pad token (0 here, not an EOS id) marks the padding
+    inferred = speculative_generate(target, drafter, ids, max_new_tokens=budgets)
+    assert torch.equal(inferred.sequences, out.sequences)
+    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3\] of the batch end in padding"):
+        speculative_generate(target, drafter, torch.cat([ids, torch.zeros(4, 1, dtype=torch.long)], 1),
+                             max_new_tokens=budgets)
 
 
 def test_batch_rows_finish_at_their_own_eos(setup):
