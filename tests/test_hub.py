@@ -13,6 +13,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 from huggingface_hub import constants
 
 from hf_dflash2.cli import main
@@ -248,3 +249,21 @@ def test_dry_run_writes_what_would_be_uploaded_without_token_or_network(built, h
     AutoModel.from_pretrained(out, trust_remote_code=True)
     with pytest.raises(ValueError, match="must be a new or empty folder"):
         push_head(folder, REPO_ID, dry_run=out)
+
+
+def test_save_pretrained_with_push_to_hub_uploads_the_complete_head(hub, tmp_path, monkeypatch):
+    """``drafter.save_pretrained(out, push_to_hub=True)`` (the usual training-script line) uploads what a local
+    save writes, the draft vocabulary and ``custom_generate/`` included: Transformers uploads inside its own
+    save, before the head's extra files exist."""
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)  # read at import; Transformers' push takes no endpoint
+    drafter = tiny_drafter(tiny_target(vocab_size=64))
+    drafter.set_draft_vocab(torch.arange(0, 64, 2))
+    drafter.save_pretrained(tmp_path / "head", push_to_hub=True, repo_id=REPO_ID, commit_message="a head")
+    files = hub.files(REPO_ID)
+    for name in ("config.json", "model.safetensors", "draft_vocab.json", "custom_generate/generate.py",
+                 "modeling_dflash2.py"):
+        assert name in files, name
+    assert json.loads(files["draft_vocab.json"])["token_ids"] == list(range(0, 64, 2))
+    assert json.loads(files["config.json"])["architectures"] == ["DFlash2DraftModel"]
+    local = {p.relative_to(tmp_path / "head").as_posix() for p in (tmp_path / "head").rglob("*") if p.is_file()}
+    assert local <= set(files)

@@ -747,11 +747,19 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 raise HeadFileError(f"{path}: not a valid draft vocabulary ({error})") from None
         return loaded
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """As ``PreTrainedModel.save_pretrained``, plus the published ``architectures`` name for DFlash 1 heads."""
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        """As ``PreTrainedModel.save_pretrained``, plus the published ``architectures`` name for DFlash 1 heads,
+        the draft vocabulary and ``custom_generate/``. With ``push_to_hub=True`` the folder is completed first and
+        then pushed (``push_to_hub``, which saves through this method again): Transformers would upload inside
+        its own save, before the files written here exist."""
+        hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
+                                                          "create_pr", "private", "revision", "tags") if name in kwargs}
+        main_process = kwargs.get("is_main_process", args[0] if args else True)
         kwargs.setdefault("safe_serialization", True)
         self.config.architectures = [self.config.architecture_name]
         result = super().save_pretrained(save_directory, *args, **kwargs)
+        if not main_process:
+            return result
         config_path = os.path.join(save_directory, "config.json")
         if os.path.exists(config_path):
             with open(config_path, encoding="utf-8") as handle:
@@ -769,6 +777,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         # Transformers' hook-free extension point: target.generate(custom_generate=<this folder>, ...)
         os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
+        if push_to_hub:
+            repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(os.fspath(save_directory))))
+            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
         return result
 
 
