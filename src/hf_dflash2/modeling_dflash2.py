@@ -448,7 +448,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         """Attach the target's embedding and LM head (frozen, not saved). Validates before any compute.
 
         ``target`` is any Hugging Face causal LM. Raises ``ValueError`` naming both values on a mismatch of
-        hidden size, vocab size, layer count, tapped layer ids, mask token id, dtype or device.
+        hidden size, vocab size, layer count, tapped layer ids, mask token id, dtype or device, and on a target
+        split over several devices (``device_map="auto"`` on a multi-GPU machine), which the loops do not support.
         """
         text = target.config.get_text_config()
         cfg = self.config
@@ -473,6 +474,12 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         vocab_rows = embed.weight.shape[0]
         if not 0 <= cfg.mask_token_id < vocab_rows:
             raise ValueError(f"drafter mask_token_id={cfg.mask_token_id} is outside the target's vocabulary (size {vocab_rows})")
+        placed = {str(device) for device in (getattr(target, "hf_device_map", None) or {}).values()}
+        if len(placed) > 1 or head.weight.device != embed.weight.device:
+            devices = sorted(placed) if len(placed) > 1 else [str(embed.weight.device), str(head.weight.device)]
+            raise ValueError(f"the target is split over devices {devices} (device_map): both loops keep its tapped "
+                             "states, logits and the drafter on one device; load the target on one "
+                             '(device_map="cuda" or .to(device))')
         mine = next(self.parameters())
         if mine.device != embed.weight.device:
             raise ValueError(f"drafter is on device {mine.device} but the target's embedding is on {embed.weight.device}")
