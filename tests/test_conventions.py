@@ -561,3 +561,39 @@ def test_demo_runs_on_another_target_with_its_head(tmp_path, capsys):
           "--mixed-precision", "fp32", "--linear-kernel", "default", "--repeats", "1", "--max-new-tokens", "8"])
     out = capsys.readouterr().out
     assert f"loading {tmp_path / 'base'}" in out and "speedup" in out
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
+    """``drafter.activation_checkpointing_enable()`` (``gradient_checkpointing_enable``; Trainer's
+    ``gradient_checkpointing=True``) recomputes each
+    layer in the backward pass; the gradients are the plain ones, those of ``fc`` (reached through the
+    context keys and values) included, in reentrant mode too."""
+    from hf_dflash2 import DFlash2DraftModel
+
+    target = tiny_target()
+    drafter = tiny_drafter(target).train()
+    generator = torch.Generator().manual_seed(0)
+    n, B, T = 2, drafter.config.block_size, 6
+    features = torch.randn(1, T, drafter.fc.in_features, generator=generator)
+    block_embeds = torch.randn(1, n, B, drafter.config.hidden_size, generator=generator)
+    context_positions = torch.arange(T)[None]
+    anchors = torch.tensor([[3, 5]])
+    block_positions = (anchors[:, :, None] + torch.arange(B)).flatten(1)
+    mask = DFlash2DraftModel.block_attention_mask(torch.ones(1, T, dtype=torch.bool), context_positions, anchors, B)
+
+    def gradients():
+        drafter.zero_grad()
+        out = drafter(block_embeds, block_positions, mask, context_features=features,
+                      context_positions=context_positions)
+        out.square().mean().backward()
+        return {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
+
+    plain = gradients()
+    drafter.activation_checkpointing_enable({"use_reentrant": reentrant})  # gradient_checkpointing_enable's new name
+    assert all(layer.gradient_checkpointing for layer in drafter.layers)
+    checkpointed = gradients()
+    assert plain.keys() == checkpointed.keys() and "fc.weight" in plain
+    assert plain["fc.weight"].abs().sum() > 0
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -240,6 +240,16 @@ def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
     torch.testing.assert_close(_norm_scale(gemma_norm, gemma_norm.weight.detach()), 1 + torch.linspace(-0.5, 0.5, 8))
 
 
+def test_gradient_checkpointing_trains_as_the_plain_run(tmp_path):
+    """``--gradient-checkpointing``: the same losses step for step as without it (only memory and time differ)."""
+    plain = make_trainer(tmp_path / "plain", steps=3)
+    checkpointed = make_trainer(tmp_path / "checkpointed", steps=3, gradient_checkpointing=True)
+    layers = checkpointed.accelerator.unwrap_model(checkpointed.drafter).layers
+    assert all(layer.gradient_checkpointing for layer in layers)
+    losses = [h["loss"] for h in plain.train()], [h["loss"] for h in checkpointed.train()]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-4)
+
+
 def test_a_context_from_the_target_gives_the_copied_layer_the_targets_own_keys_and_values():
     """``--init-context-from-target``: fc passes the tap that the first copied layer reads and hidden_norm takes
     that layer's input norm, so the head layer's context keys (before RoPE) and values equal the target

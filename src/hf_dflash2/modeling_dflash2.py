@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
 from .candidate_generator_dflash2 import candidate_generator_for, install_generate_hook
@@ -198,7 +199,7 @@ class DFlash2Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
-class DFlash2DecoderLayer(nn.Module):
+class DFlash2DecoderLayer(GradientCheckpointingLayer):
     """norm -> conv(in) -> attention -> conv(out) -> +residual, then the same around the MLP."""
 
     def __init__(self, config: DFlash2Config, layer_idx: int):
@@ -222,12 +223,14 @@ class DFlash2DecoderLayer(nn.Module):
         kernels = conv.kernels(h)
         return x + conv(fn(conv(h, kernels, side=0)), kernels, side=1)
 
-    def forward(self, x, block_rope, context_kv, attention_mask):
-        """x: [N, n, B, H] -> [N, n, B, H]"""
+    def forward(self, x, rope_cos, rope_sin, context_k, context_v, attention_mask):
+        """x: [N, n, B, H] -> [N, n, B, H]. Every tensor is its own positional argument, so that gradient
+        checkpointing (reentrant too) carries gradients back into the context keys and values, i.e. to ``fc``."""
         shape = x.shape
 
         def attend(h):
-            return self.self_attn(h.flatten(1, 2), block_rope, context_kv, attention_mask).view(shape)
+            return self.self_attn(h.flatten(1, 2), (rope_cos, rope_sin), (context_k, context_v),
+                                  attention_mask).view(shape)
 
         x = self._sublayer(x, self.input_layernorm, self.attention_conv, attend)
         return self._sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp)
@@ -361,7 +364,7 @@ class DraftOutput:
 class DFlash2PreTrainedModel(PreTrainedModel):
     config_class = DFlash2Config
     base_model_prefix = ""
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["DFlash2DecoderLayer"]
     _supports_sdpa = True
 
@@ -628,7 +631,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         rope = self.rotary_emb(block_positions, x.dtype)
         for layer, kv in zip(self.layers, context_kv):
             mask = sliding_attention_mask if (layer.is_sliding and sliding_attention_mask is not None) else attention_mask
-            x = layer(x, rope, kv, mask)
+            x = layer(x, *rope, *kv, mask)
         return self.norm(x)
 
     @staticmethod

@@ -363,6 +363,7 @@ def cmd_train(args) -> int:
         warmup_steps=args.warmup_steps,
         logit_ramp_steps=args.logit_ramp_steps,
         ema_decay=args.ema_decay,
+        gradient_checkpointing=args.gradient_checkpointing,
         hidden_weight=args.hidden_weight,
         loss_gamma=args.loss_gamma,
     )
@@ -573,6 +574,9 @@ def _register_train(sub) -> None:
     p.add_argument("--ema-decay", type=float, default=d["ema_decay"],
                    help="keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed "
                    "beside them; export it with `python -m hf_dflash2.training.export RUN DIR --ema`")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="recompute each head layer in the backward pass instead of keeping its activations "
+                   "(less memory, more time: large targets on a GPU)")
     p.add_argument("--hidden-weight", type=float, default=d["hidden_weight"],
                    help="weight of a loss pulling the head's LM-head input towards the target's at each drafted "
                    "position (relative squared error; needs a store built with --final-hidden; 0: off)")

@@ -66,6 +66,9 @@ class TrainingConfig:
     # 0: off. Otherwise an exponential moving average of the weights (from the weights at step 0) is kept
     # and checkpointed beside them; ``export --ema`` saves it as the head.
     ema_decay: float = 0.0
+    # Recompute each head layer in the backward pass instead of keeping its activations: memory for time, for
+    # large targets on a GPU (a head for an 8B target reads blocks of width 4096 from every anchor).
+    gradient_checkpointing: bool = False
     # 0: off. Otherwise the weight of a loss pulling the head's LM-head input at each drafted position
     # towards the target's own (a store built with ``final_hidden``): relative squared error, position-decayed.
     hidden_weight: float = 0.0
@@ -517,6 +520,12 @@ class Trainer:
             progress = (step - warmup) / max(1, config.steps - warmup)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
+        if config.gradient_checkpointing:
+            enable = getattr(drafter, "activation_checkpointing_enable", None)
+            if enable is not None:
+                enable({"use_reentrant": False})
+            else:  # Transformers before the rename
+                drafter.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.drafter, self.optimizer = self.accelerator.prepare(drafter, optimizer)
         # Not passed to prepare(): accelerate would step it once per process, and our schedule counts
         # optimizer steps of the global batch.
