@@ -58,9 +58,27 @@ def test_any_attn_implementation_loads_the_head_on_its_own_sdpa(tmp_path, implem
     plain = DFlash2DraftModel.from_pretrained(tmp_path / "head")
     asked = DFlash2DraftModel.from_pretrained(tmp_path / "head", attn_implementation=implementation)
     assert asked.config._attn_implementation == "sdpa"
-    features = torch.randn(1, 5, plain.fc.in_features, generator=torch.Generator().manual_seed(0))
+    plain.bind_target(target)
+    asked.bind_target(target)
+    inputs = block_inputs(plain)
     with torch.no_grad():
-        torch.testing.assert_close(asked.project_context(features), plain.project_context(features))
+        torch.testing.assert_close(asked(*inputs[:3], **inputs[3]), plain(*inputs[:3], **inputs[3]))
+
+
+def block_inputs(drafter, blocks: int = 2, context: int = 6):
+    """(block_embeds, block_positions, attention_mask, {context_features, context_positions}) for a forward."""
+    from hf_dflash2 import DFlash2DraftModel
+
+    generator = torch.Generator().manual_seed(0)
+    size = drafter.config.block_size
+    features = torch.randn(1, context, drafter.fc.in_features, generator=generator)
+    block_embeds = torch.randn(1, blocks, size, drafter.config.hidden_size, generator=generator)
+    context_positions = torch.arange(context)[None]
+    anchors = torch.tensor([[3, 5]])
+    block_positions = (anchors[:, :, None] + torch.arange(size)).flatten(1)
+    mask = DFlash2DraftModel.block_attention_mask(torch.ones(1, context, dtype=torch.bool), context_positions,
+                                                 anchors, size)
+    return block_embeds, block_positions, mask, {"context_features": features, "context_positions": context_positions}
 
 
 def test_plain_save_pretrained_loads_without_the_package(tmp_path):
@@ -343,6 +361,9 @@ def test_for_target_builds_a_fresh_head_like_the_config():
     torch.manual_seed(123)
     DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4, seed=5)
     assert torch.equal(torch.rand(4), expected)  # a seeded head leaves the caller's random stream alone
+    unseeded = [DFlash2DraftModel.for_target(target, block_size=8, mask_token_id=1, selector_rank=16, selector_top_k=4,
+                                             seed=None) for _ in range(2)]
+    assert not torch.equal(unseeded[0].fc.weight, unseeded[1].fc.weight)  # no seed: drawn from the caller's stream
 
 
 def test_output_scale_damps_a_fresh_heads_output_norm_and_the_logit_ramp_follows():
@@ -569,30 +590,26 @@ def test_gradient_checkpointing_gives_the_same_gradients(reentrant):
     ``gradient_checkpointing=True``) recomputes each
     layer in the backward pass; the gradients are the plain ones, those of ``fc`` (reached through the
     context keys and values) included, in reentrant mode too."""
-    from hf_dflash2 import DFlash2DraftModel
-
     target = tiny_target()
     drafter = tiny_drafter(target).train()
-    generator = torch.Generator().manual_seed(0)
-    n, B, T = 2, drafter.config.block_size, 6
-    features = torch.randn(1, T, drafter.fc.in_features, generator=generator)
-    block_embeds = torch.randn(1, n, B, drafter.config.hidden_size, generator=generator)
-    context_positions = torch.arange(T)[None]
-    anchors = torch.tensor([[3, 5]])
-    block_positions = (anchors[:, :, None] + torch.arange(B)).flatten(1)
-    mask = DFlash2DraftModel.block_attention_mask(torch.ones(1, T, dtype=torch.bool), context_positions, anchors, B)
+    inputs = block_inputs(drafter)
 
     def gradients():
         drafter.zero_grad()
-        out = drafter(block_embeds, block_positions, mask, context_features=features,
-                      context_positions=context_positions)
-        out.square().mean().backward()
+        drafter(*inputs[:3], **inputs[3]).square().mean().backward()
         return {name: p.grad.clone() for name, p in drafter.named_parameters() if p.grad is not None}
 
     plain = gradients()
     drafter.activation_checkpointing_enable({"use_reentrant": reentrant})  # gradient_checkpointing_enable's new name
-    assert all(layer.gradient_checkpointing for layer in drafter.layers)
+    calls = []
+    for layer in drafter.layers:  # count the checkpointed calls: equal gradients alone would not show any ran
+        def counted(*args, checkpoint=layer._gradient_checkpointing_func, **kwargs):
+            calls.append(1)
+            return checkpoint(*args, **kwargs)
+
+        layer._gradient_checkpointing_func = counted
     checkpointed = gradients()
+    assert len(calls) == len(drafter.layers)
     assert plain.keys() == checkpointed.keys() and "fc.weight" in plain
     assert plain["fc.weight"].abs().sum() > 0
     for name in plain:

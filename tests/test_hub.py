@@ -265,5 +265,6 @@ def test_save_pretrained_with_push_to_hub_uploads_the_complete_head(hub, tmp_pat
         assert name in files, name
     assert json.loads(files["draft_vocab.json"])["token_ids"] == list(range(0, 64, 2))
     assert json.loads(files["config.json"])["architectures"] == ["DFlash2DraftModel"]
-    local = {p.relative_to(tmp_path / "head").as_posix() for p in (tmp_path / "head").rglob("*") if p.is_file()}
-    assert local <= set(files)
+    local = {p.relative_to(tmp_path / "head").as_posix(): p.read_bytes()
+             for p in (tmp_path / "head").rglob("*") if p.is_file()}
+    assert all(files[name] == data for name, data in local.items())  # the folder written, byte for byte

@@ -161,7 +161,7 @@ def test_for_target_fills_fields_and_default_layers():
         (lambda t: tiny_target(vocab_size=120), "vocab_size=96 does not match the target's vocab_size=120"),
         (lambda t: tiny_target(layers=4), "num_target_layers=6 does not match the target's num_target_layers=4"),
         (lambda t: t.to(torch.bfloat16), "dtype torch.float32 does not match the target's dtype torch.bfloat16"),
-        (lambda t: split_over_two_devices(t), "the target is split over devices ['0', '1'] (device_map)"),
+        (lambda t: split_over_two_devices(t), "the target is split over devices ['cuda:0', 'cuda:1'] (device_map)"),
     ],
 )
 def test_binding_mismatch_raises_before_any_forward(mutate, message):
@@ -181,6 +181,14 @@ def split_over_two_devices(target):
     """What device_map="auto" records on a machine with two GPUs (the weights stay put: the check reads the map)."""
     target.hf_device_map = {"model.embed_tokens": 0, "model.layers": 0, "model.norm": 1, "lm_head": 1}
     return target
+
+
+def test_a_target_on_one_accelerator_with_cpu_offload_binds():
+    """accelerate's CPU offload runs those layers on the accelerator, and 0 / "cuda:0" name one device."""
+    target = tiny_target()
+    target.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": "cuda:0", "model.layers.5": "cpu",
+                            "lm_head": "disk"}
+    tiny_drafter(target).bind_target(target)
 
 
 def test_bad_layer_ids_and_mask_token_rejected():

@@ -361,12 +361,28 @@ class DraftOutput:
     pair_scores: torch.Tensor | None = None
 
 
+def _placement(device) -> str:
+    """A ``device_map`` value as one name per device: 0, "cuda:0" and torch.device("cuda", 0) are the same."""
+    if isinstance(device, str) and device in ("cpu", "disk", "meta"):
+        return device
+    if isinstance(device, int):  # accelerate's index of a GPU
+        return f"cuda:{device}"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        return str(device)
+    return str(device) if device.index is not None or device.type == "cpu" else f"{device.type}:0"
+
+
 class DFlash2PreTrainedModel(PreTrainedModel):
     config_class = DFlash2Config
     base_model_prefix = ""
     supports_gradient_checkpointing = True
     _no_split_modules = ["DFlash2DecoderLayer"]
     _supports_sdpa = True
+    # what forward takes first: a head owns no embedding, so nothing asks for input-embedding gradients
+    # (activation_checkpointing_enable would, for "input_ids", and warn that none exist)
+    main_input_name = "block_embeds"
 
     def _check_and_adjust_attn_implementation(self, attn_implementation=None, *args, **kwargs) -> str:
         """The drafter's attention is its own SDPA call (a block over [context, block] keys with a sparse
@@ -377,6 +393,9 @@ class DFlash2PreTrainedModel(PreTrainedModel):
                 f"DFlash2DraftModel: attn_implementation={attn_implementation!r} is read as 'sdpa' (the drafter "
                 "runs its own SDPA attention over context and block)")
         return "sdpa"
+
+    def get_correct_attn_implementation(self, requested_attention=None, *args, **kwargs) -> str:
+        return self._check_and_adjust_attn_implementation(requested_attention)  # Transformers calling it directly
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -430,17 +449,20 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         on SmolLM2: 0.8 % of the scale, loss flat for 40 steps); the trainer instead ramps a logit scale
         from ``calibrated_output_factor`` to 1 over its first steps. ``output_scale`` multiplies that start
         (the trainer's ``--output-scale``: a head whose logits can span only a fraction of the target's
-        trains more stably). Same seed -> same weights, and the caller's global random state is left as it was.
+        trains more stably). Same seed -> same weights, and the caller's random streams (CPU and accelerator) are
+        left as they were; ``seed=None`` draws from the caller's stream.
         """
         if not 0 < output_scale <= 1:
             raise ValueError(f"output_scale must be in (0, 1], got {output_scale}")
         config = DFlash2Config.for_target(target.config, num_hidden_layers=num_hidden_layers, block_size=block_size,
                                           dflash2=dflash2, **config_kwargs)
         embed = target.get_input_embeddings().weight
-        with torch.random.fork_rng(devices=[]):  # the weights are drawn on the CPU; the caller's stream is kept
-            if seed is not None:
-                torch.manual_seed(seed)
+        if seed is None:  # drawn from (and advancing) the caller's stream, as any module built with torch
             drafter = cls(config)
+        else:  # the weights are drawn on the CPU, from a seeded copy of its generator; the caller's streams stay
+            with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+                torch.default_generator.manual_seed(seed)
+                drafter = cls(config)
         drafter = drafter.to(device=embed.device, dtype=embed.dtype)
         with torch.no_grad():
             drafter.norm.weight.copy_(target_output_scale(target, config.hidden_size) * output_scale)
@@ -477,12 +499,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         vocab_rows = embed.weight.shape[0]
         if not 0 <= cfg.mask_token_id < vocab_rows:
             raise ValueError(f"drafter mask_token_id={cfg.mask_token_id} is outside the target's vocabulary (size {vocab_rows})")
-        placed = {str(device) for device in (getattr(target, "hf_device_map", None) or {}).values()}
+        # accelerate's CPU / disk offload runs those layers on the accelerator too: only accelerators count
+        placed = {_placement(device) for device in (getattr(target, "hf_device_map", None) or {}).values()}
+        placed = sorted(placed - {"cpu", "disk"}) if placed - {"cpu", "disk"} else sorted(placed)
         if len(placed) > 1 or head.weight.device != embed.weight.device:
-            devices = sorted(placed) if len(placed) > 1 else [str(embed.weight.device), str(head.weight.device)]
+            devices = placed if len(placed) > 1 else [str(embed.weight.device), str(head.weight.device)]
             raise ValueError(f"the target is split over devices {devices} (device_map): both loops keep its tapped "
                              "states, logits and the drafter on one device; load the target on one "
-                             '(device_map="cuda" or .to(device))')
+                             '(device_map="cuda" or .to(device); CPU offload is fine)')
         mine = next(self.parameters())
         if mine.device != embed.weight.device:
             raise ValueError(f"drafter is on device {mine.device} but the target's embedding is on {embed.weight.device}")
@@ -760,11 +784,14 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         """As ``PreTrainedModel.save_pretrained``, plus the published ``architectures`` name for DFlash 1 heads,
         the draft vocabulary and ``custom_generate/``. With ``push_to_hub=True`` the folder is completed first and
-        then pushed (``push_to_hub``, which saves through this method again): Transformers would upload inside
-        its own save, before the files written here exist."""
+        then uploaded as it is (Transformers would upload inside its own save, before the files written here
+        exist); ``repo_id``, ``commit_message``, ``commit_description``, ``create_pr``, ``private``, ``revision``
+        and ``token`` are read as ``save_pretrained``'s."""
         hub_kwargs = {name: kwargs.pop(name) for name in ("repo_id", "commit_message", "commit_description",
-                                                          "create_pr", "private", "revision", "tags") if name in kwargs}
+                                                          "create_pr", "private", "revision") if name in kwargs}
         main_process = kwargs.get("is_main_process", args[0] if args else True)
+        if hasattr(self, "should_save_on_this_rank"):  # Transformers' own rule (rank 0 under torch.distributed)
+            main_process = self.should_save_on_this_rank(main_process)
         kwargs.setdefault("safe_serialization", True)
         self.config.architectures = [self.config.architecture_name]
         result = super().save_pretrained(save_directory, *args, **kwargs)
@@ -787,9 +814,15 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         # Transformers' hook-free extension point: target.generate(custom_generate=<this folder>, ...)
         os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
-        if push_to_hub:
+        if push_to_hub:  # the folder just written (its state_dict, shards and variant), as one commit
+            from huggingface_hub import HfApi
+
+            api = HfApi(token=kwargs.get("token"))
             repo_id = hub_kwargs.pop("repo_id", os.path.basename(os.path.normpath(os.fspath(save_directory))))
-            self.push_to_hub(repo_id, token=kwargs.get("token"), **hub_kwargs)
+            repo_id = api.create_repo(repo_id, exist_ok=True, private=hub_kwargs.pop("private", None)).repo_id
+            api.upload_folder(repo_id=repo_id, folder_path=save_directory,
+                              commit_message=hub_kwargs.pop("commit_message", None) or "Upload dFlash 2 head",
+                              **hub_kwargs)
         return result
 
 
