@@ -409,15 +409,21 @@ def test_bf16_training_from_a_store_lowers_the_loss(tmp_path, label_source, fres
         Trainer(target, drafter, records, TrainingConfig(output_dir=str(tmp_path / "x"), label_source="kl"))
 
 
-def test_a_head_tapping_some_of_the_stores_layers_reads_their_columns(tmp_path):
-    """One store serves heads that tap a subset of its layers, in the head's own order: the features a
-    trainer reads equal the target's own states at those layers. A layer the store lacks is refused by name."""
+def store_trainer(tmp_path, target_layer_ids):
+    """A one-step trainer over a store of three random records, for a head tapping ``target_layer_ids``."""
     target = tiny_target(vocab_size=64)
     records = random_records(n=3)
     store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)))
-    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=[4, 1])
+    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=target_layer_ids)
     config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=1, batch_size=1)
-    trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
+    return Trainer(target, drafter, store_sequences(store, 512), config, store=store), records
+
+
+def test_a_head_tapping_some_of_the_stores_layers_reads_their_columns(tmp_path):
+    """One store serves heads that tap a subset of its layers, in the head's own order: the features a
+    trainer reads equal the target's own states at those layers. A layer the store lacks is refused by name."""
+    trainer, records = store_trainer(tmp_path, [4, 1])
+    target, store, config = trainer.target, trainer.store, trainer.config
     for index, sequence in enumerate(trainer.sequences):
         record = records[sequence["store_index"]]
         with torch.no_grad():
@@ -432,12 +438,8 @@ def test_a_head_tapping_some_of_the_stores_layers_reads_their_columns(tmp_path):
 def test_a_store_run_starts_its_context_from_the_target(tmp_path):
     """``--init-context-from-target`` on a store run reads its calibration text from the store, and fc in
     its standardized space passes on exactly what the first copied layer reads."""
-    target = tiny_target(vocab_size=64)
-    records = random_records(n=3)
-    store = build_store(target, records, FeatureStore(tmp_path / "s", meta_for(target)))
-    drafter = tiny_drafter(target, block_size=4, randomize=False, target_layer_ids=[1, 3])
-    config = TrainingConfig(output_dir=str(tmp_path / "run"), steps=1, batch_size=1)
-    trainer = Trainer(target, drafter, store_sequences(store, 512), config, store=store)
+    trainer, records = store_trainer(tmp_path, [1, 3])
+    target, drafter = trainer.target, trainer.accelerator.unwrap_model(trainer.drafter)
     trainer.initialize_layers_from_target("last", context=True)
     assert trainer.initialized_from["target_context"] == 4 and "4" in trainer.initialized_from["query_key_scales"]
     record = records[trainer.sequences[0]["store_index"]]
