@@ -499,9 +499,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         vocab_rows = embed.weight.shape[0]
         if not 0 <= cfg.mask_token_id < vocab_rows:
             raise ValueError(f"drafter mask_token_id={cfg.mask_token_id} is outside the target's vocabulary (size {vocab_rows})")
-        # accelerate's CPU / disk offload runs those layers on the accelerator too: only accelerators count
+        # accelerate's CPU / disk offload runs those layers where the rest runs: only accelerators count
         placed = {_placement(device) for device in (getattr(target, "hf_device_map", None) or {}).values()}
-        placed = sorted(placed - {"cpu", "disk"}) if placed - {"cpu", "disk"} else sorted(placed)
+        placed = sorted(placed - {"cpu", "disk"})
         if len(placed) > 1 or head.weight.device != embed.weight.device:
             devices = placed if len(placed) > 1 else [str(embed.weight.device), str(head.weight.device)]
             raise ValueError(f"the target is split over devices {devices} (device_map): both loops keep its tapped "
