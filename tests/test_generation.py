@@ -203,12 +203,14 @@ def test_batch_with_left_padding_equals_each_row_alone(setup):
         alone = plain(target, p[None], budgets)[0, len(p):]
         assert torch.equal(out.sequences[row, width:], alone), row
     assert out.num_generated.tolist() == [20] * 4
-    # no mask given: as generate, the pad token (0 here, not an EOS id) marks the padding
+    # no mask given: as generate, leading pad tokens (0 here, not an EOS id) are the padding
     inferred = speculative_generate(target, drafter, ids, max_new_tokens=budgets)
     assert torch.equal(inferred.sequences, out.sequences)
-    with pytest.raises(ValueError, match=r"rows \[0, 1, 2, 3\] of the batch end in padding"):
-        speculative_generate(target, drafter, torch.cat([ids, torch.zeros(4, 1, dtype=torch.long)], 1),
-                             max_new_tokens=budgets)
+    # a pad id inside a prompt stays text (generate would punch a hole there): the row decodes as given
+    inside = ids[2:3].clone()
+    inside[0, -2] = 0
+    alone = plain(target, inside, budgets, attention_mask=torch.ones_like(inside))
+    assert torch.equal(speculative_generate(target, drafter, inside, max_new_tokens=budgets).sequences, alone)
 
 
 def test_batch_rows_finish_at_their_own_eos(setup):

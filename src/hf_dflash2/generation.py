@@ -382,17 +382,20 @@ def check_input_ids(input_ids) -> None:
 
 
 def mask_from_padding(input_ids: torch.Tensor, config) -> torch.Tensor | None:
-    """``generate``'s inference when no attention mask is given: where the pad token occurs in
-    ``input_ids`` and is not an EOS id, its positions are padding. -> [N, L] long, or None (all text)."""
+    """``generate``'s inference when no attention mask is given, for left padding: where a row starts with
+    the pad token (and it is not an EOS id), those leading positions are padding. A pad id after a row's
+    first other token stays text: ``generate`` would mask it too, leaving a hole the loop's positions (left
+    padding) do not model, and a real prompt may hold that id. -> [N, L] long, or None (all text)."""
     pad, eos = config.pad_token_id, config.eos_token_id
     pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
     if pad is None or isinstance(pad, (list, tuple)):
         return None
     pad = int(pad)
     eos_ids = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
-    if pad in eos_ids or not bool((input_ids == pad).any()):
+    leading = (input_ids == pad).long().cumprod(dim=1).bool()
+    if pad in eos_ids or not bool(leading.any()):
         return None
-    return input_ids.ne(pad).long()
+    return (~leading).long()
 
 
 def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
@@ -967,7 +970,7 @@ def speculative_generate(
     # Only the adaptive policy chooses how far to verify, so only it gets the wider n-gram rounds.
     widen = adaptive and verify_policy is None
     block_size = round_block_size(drafter, ngram_size if widen else 0, block_size, room, cost_model)
-    if attention_mask is None:  # as generate: pad tokens in the prompt are padding (then checked as a given mask)
+    if attention_mask is None:  # as generate: leading pad tokens are padding (then checked as a given mask)
         attention_mask = mask_from_padding(input_ids, config)
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
     if do_sample and not temperature > 0:
