@@ -358,11 +358,24 @@ soup-smollm2-s25: setup
 S26_RECORDS ?= 2048
 S26_STEPS ?= 2000
 S26_NAME ?= s26_fresh
+# Plain-prompt regeneration for a session's store: ShareGPT first turns into data/regen_sharegpt_$(1).jsonl from
+# prompt $(2) on, python-functions prompts into data/regen_code_$(1).jsonl from prompt $(3) on, $(4) of each,
+# plus the regenerate arguments $(5); resumable.
+define regenerate_pair
+	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_$(1).jsonl --skip $(2) --limit $(4) \
+		--batch-size 64 --max-new-tokens 192 $(5)
+	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --output data/regen_code_$(1).jsonl --skip $(3) \
+		--limit $(4) --batch-size 64 --max-new-tokens 192 $(5)
+endef
+
+# A run's last weights and moving average as heads: RUN/export and RUN/export_ema.
+define export_run
+	$(PY) -m hf_dflash2.training.export $(1) $(1)/export
+	$(PY) -m hf_dflash2.training.export $(1) $(1)/export_ema --ema
+endef
+
 regenerate-smollm2-s26: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s26.jsonl --skip 5120 --limit $(S26_RECORDS) \
-		--batch-size 64 --max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 4736 --output data/regen_code_s26.jsonl \
-		--limit $(S26_RECORDS) --batch-size 64 --max-new-tokens 192
+	$(call regenerate_pair,s26,5120,4736,$(S26_RECORDS),)
 
 store-smollm2-s26: regenerate-smollm2-s26
 	$(VENV)/bin/hf-dflash2 store --output data/store_s26 \
@@ -378,8 +391,7 @@ define finetune_committed
 		--output $(2) --steps $(S26_STEPS) \
 		$(subst --label-source kl,--label-source argmax,$(FINETUNE_RECIPE)) --target-layer-ids $(FINETUNE_TAPS) \
 		--ema-decay 0.998 $(3) --resume
-	$(PY) -m hf_dflash2.training.export $(2) $(2)/export
-	$(PY) -m hf_dflash2.training.export $(2) $(2)/export_ema --ema
+	$(call export_run,$(2))
 endef
 
 finetune-smollm2-s26: store-smollm2-s26
@@ -454,10 +466,7 @@ S33_RECORDS ?= 1024
 S33_STEPS ?= 400
 S33_PENALTY ?= 1.2
 regenerate-smollm2-s33: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s33_penalty.jsonl --skip 5120 \
-		--limit $(S33_RECORDS) --batch-size 64 --max-new-tokens 192 --repetition-penalty $(S33_PENALTY)
-	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 4736 --output data/regen_code_s33_penalty.jsonl \
-		--limit $(S33_RECORDS) --batch-size 64 --max-new-tokens 192 --repetition-penalty $(S33_PENALTY)
+	$(call regenerate_pair,s33_penalty,5120,4736,$(S33_RECORDS),--repetition-penalty $(S33_PENALTY))
 
 store-smollm2-s33: regenerate-smollm2-s33
 	$(VENV)/bin/hf-dflash2 store --output data/store_s33_penalty \
@@ -478,10 +487,7 @@ S34_RECORDS ?= 1024
 S34_STEPS ?= 800
 S34_NAME ?= s34_mix
 regenerate-smollm2-s34: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s34_plain.jsonl --skip $$((5120 + $(S33_RECORDS))) \
-		--limit $(S34_RECORDS) --batch-size 64 --max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip $$((4736 + $(S33_RECORDS))) \
-		--output data/regen_code_s34_plain.jsonl --limit $(S34_RECORDS) --batch-size 64 --max-new-tokens 192
+	$(call regenerate_pair,s34_plain,$$((5120 + $(S33_RECORDS))),$$((4736 + $(S33_RECORDS))),$(S34_RECORDS),)
 
 store-smollm2-s34: store-smollm2-s33 regenerate-smollm2-s34
 	test -d data/store_s34_mix || cp -r data/store_s33_penalty data/store_s34_mix
@@ -557,8 +563,7 @@ S38_ARGS = --store data/store_s35_taps --target-layer-ids 1,7,14,20,27 --max-len
 	--log-every 50 --threads 1 --seed 0 --resume
 arm-smollm2-s38: store-smollm2-s35
 	$(VENV)/bin/hf-dflash2 train $(S38_ARGS) $(S38_INIT_$(S38_ARM)) --output runs/init_s38_$(S38_NAME)
-	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_NAME) runs/init_s38_$(S38_NAME)/export
-	$(PY) -m hf_dflash2.training.export runs/init_s38_$(S38_NAME) runs/init_s38_$(S38_NAME)/export_ema --ema
+	$(call export_run,runs/init_s38_$(S38_NAME))
 
 # Session 38's follow-up: more of the target's own text for a long run from target-initialised layers (the arms
 # above trained 5 epochs of store_s35_taps). ShareGPT first turns and python-functions prompts past those of
@@ -566,10 +571,7 @@ arm-smollm2-s38: store-smollm2-s35
 # copy of store_s35_taps.
 S38_RECORDS ?= 2048
 regenerate-smollm2-s38: setup
-	$(VENV)/bin/hf-dflash2 regenerate --output data/regen_sharegpt_s38.jsonl --skip 7168 --limit $(S38_RECORDS) \
-		--batch-size 64 --max-new-tokens 192
-	$(VENV)/bin/hf-dflash2 regenerate --prompts python-functions --skip 6784 --output data/regen_code_s38.jsonl \
-		--limit $(S38_RECORDS) --batch-size 64 --max-new-tokens 192
+	$(call regenerate_pair,s38,7168,6784,$(S38_RECORDS),)
 
 store-smollm2-s38: regenerate-smollm2-s38
 	test -d data/store_s38 || cp -r data/store_s35_taps data/store_s38
@@ -589,8 +591,7 @@ S38_LONG_ARGS = $(subst --threads 1,--threads 2,$(subst --eval-every 100000,--ev
 long-smollm2-s38: store-smollm2-s38
 	$(VENV)/bin/hf-dflash2 train $(S38_LONG_ARGS) $(S38_INIT_target) --output runs/long_s38_target \
 		--stop-after-minutes $(S38_LONG_MINUTES)
-	$(PY) -m hf_dflash2.training.export runs/long_s38_target runs/long_s38_target/export
-	$(PY) -m hf_dflash2.training.export runs/long_s38_target runs/long_s38_target/export_ema --ema
+	$(call export_run,runs/long_s38_target)
 
 # Session 39: does the head learn faster still when its context projection also starts as the target's? Two arms
 # from scratch on session 38's store (store_s35_taps, 552K tokens; a fresh checkout rebuilds it in ~25 minutes
@@ -610,5 +611,4 @@ S39_ARGS = $(subst --eval-every 100000,--eval-every $(S39_EVAL),$(subst --steps 
 arm-smollm2-s39: store-smollm2-s35
 	$(VENV)/bin/hf-dflash2 train $(S39_ARGS) $(S39_INIT_$(S39_ARM)) --output runs/s39_$(S39_ARM) \
 		--stop-after-minutes $(S39_MINUTES)
-	$(PY) -m hf_dflash2.training.export runs/s39_$(S39_ARM) runs/s39_$(S39_ARM)/export
-	$(PY) -m hf_dflash2.training.export runs/s39_$(S39_ARM) runs/s39_$(S39_ARM)/export_ema --ema
+	$(call export_run,runs/s39_$(S39_ARM))
