@@ -369,8 +369,18 @@ def _new_token_budget(config: GenerationConfig, prompt_length: int, context: int
 def _eos_tensor(eos_token_id, device) -> torch.Tensor:
     if eos_token_id is None:
         return torch.empty(0, dtype=torch.long, device=device)
+    if isinstance(eos_token_id, torch.Tensor):
+        return eos_token_id.flatten().to(device=device, dtype=torch.long)
     ids = eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id]
     return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _pad_id(config) -> int | None:
+    """The config's pad token as one id (a list's first), or None."""
+    pad = config.pad_token_id
+    if isinstance(pad, (list, tuple)):
+        pad = pad[0] if pad else None
+    return None if pad is None else int(pad)
 
 
 def check_input_ids(input_ids) -> None:
@@ -386,16 +396,11 @@ def mask_from_padding(input_ids: torch.Tensor, config) -> torch.Tensor | None:
     the pad token (and it is not an EOS id), those leading positions are padding. A pad id after a row's
     first other token stays text: ``generate`` would mask it too, leaving a hole the loop's positions (left
     padding) do not model, and a real prompt may hold that id. -> [N, L] long, or None (all text)."""
-    pad, eos = config.pad_token_id, config.eos_token_id
-    pad = pad[0] if isinstance(pad, (list, tuple)) and pad else pad
-    if pad is None or isinstance(pad, (list, tuple)):
+    pad = _pad_id(config)
+    if pad is None or pad in _eos_tensor(config.eos_token_id, "cpu").tolist():
         return None
-    pad = int(pad)
-    eos_ids = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
     leading = (input_ids == pad).long().cumprod(dim=1).bool()
-    if pad in eos_ids or not bool(leading.any()):
-        return None
-    return (~leading).long()
+    return (~leading).long() if bool(leading.any()) else None
 
 
 def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
@@ -989,12 +994,9 @@ def speculative_generate(
     drafter.bind_target(target)
     device = input_ids.device
     # generate's fallback: with no pad token, finished rows are filled with the first EOS id (0 is a real token)
-    pad_token_id = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
-    if isinstance(pad_token_id, (list, tuple)):
-        pad_token_id = pad_token_id[0] if pad_token_id else None
-    if isinstance(pad_token_id, torch.Tensor):
-        pad_token_id = int(pad_token_id.flatten()[0])
-    pad_token_id = 0 if pad_token_id is None else pad_token_id
+    pad_token_id, eos_ids = _pad_id(config), _eos_tensor(config.eos_token_id, "cpu")
+    if pad_token_id is None:
+        pad_token_id = int(eos_ids[0]) if len(eos_ids) else 0
     stats = SpeculativeStats(block_size)
     returned = bool(config.return_dict_in_generate)
     want_scores, want_logits = returned and bool(config.output_scores), returned and bool(config.output_logits)
