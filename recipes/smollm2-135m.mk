@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 long-smollm2-s38 arm-smollm2-s39
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 arm-smollm2-s39 long-smollm2-s40 cool-smollm2-s40
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -579,19 +579,29 @@ store-smollm2-s38: regenerate-smollm2-s38
 		--source data/regen_sharegpt_s34_plain.jsonl,data/regen_code_s34_plain.jsonl,data/regen_sharegpt_s38.jsonl,data/regen_code_s38.jsonl \
 		--target-layer-ids 1,7,14,20,27,29 --max-length 832
 
-# The long run session 38 points to (not yet run): a new lineage from the target's last two layers on
-# data/store_s38, both threads, the trainer's own held-out evaluation every 2,500 steps (so that
-# `python benchmarks/tau_curve.py runs/long_s38_target` draws tau against compute), stopping after
-# S38_LONG_MINUTES each call and resuming where it stopped; exports (last weights and moving average) after
-# each call.
-S38_LONG_STEPS ?= 40000
-S38_LONG_MINUTES ?= 150
-S38_LONG_ARGS = $(subst --threads 1,--threads 2,$(subst --eval-every 100000,--eval-every 2500,$(subst \
-	--steps $(S38_STEPS),--steps $(S38_LONG_STEPS),$(subst data/store_s35_taps,data/store_s38,$(S38_ARGS)))))
-long-smollm2-s38: store-smollm2-s38
-	$(VENV)/bin/hf-dflash2 train $(S38_LONG_ARGS) $(S38_INIT_target) --output runs/long_s38_target \
-		--stop-after-minutes $(S38_LONG_MINUTES)
-	$(call export_run,runs/long_s38_target)
+# The long run session 38 points to, as session 40 runs it: a new lineage from the target's last two layers on
+# data/store_s38 (1.1M tokens), both threads. A cosine schedule needs its length at step 0, and a run that
+# spans sessions does not know it; so the trunk trains at a constant rate (--lr-schedule wsd with a length it
+# never reaches), stopping after S40_MINUTES each call and resuming where it stopped. `make cool-smollm2-s40`
+# copies the trunk's checkpoint and cools the copy down over S40_COOL steps (the rate 1 - sqrt down to 0) into
+# a finished head, exported, while the trunk goes on. The trainer's held-out evaluation every 2,500 steps
+# draws the trunk's curve (`python benchmarks/tau_curve.py runs/long_s40_trunk`).
+S40_TRUNK := runs/long_s40_trunk
+S40_MINUTES ?= 150
+S40_COOL ?= 1500
+S40_ARGS = $(subst --threads 1,--threads 2,$(subst --eval-every 100000,--eval-every 2500,$(subst \
+	--steps $(S38_STEPS),--steps 1000000,$(subst data/store_s35_taps,data/store_s38,$(S38_ARGS))))) \
+	--lr-schedule wsd --init-layers-from-target last
+long-smollm2-s40: store-smollm2-s38
+	$(VENV)/bin/hf-dflash2 train $(S40_ARGS) --output $(S40_TRUNK) --stop-after-minutes $(S40_MINUTES)
+
+cool-smollm2-s40: setup
+	step=$$($(PY) -c "import torch; print(torch.load('$(S40_TRUNK)/checkpoint.pt', weights_only=False)['step'])") \
+	&& out=runs/long_s40_cool$$step && mkdir -p $$out && { test -f $$out/checkpoint.pt || \
+	cp $(S40_TRUNK)/checkpoint.pt $$out/; } && $(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps \
+	$$((step + $(S40_COOL))),$(S40_ARGS)) --decay-steps $(S40_COOL) --output $$out && \
+	$(PY) -m hf_dflash2.training.export $$out $$out/export && \
+	$(PY) -m hf_dflash2.training.export $$out $$out/export_ema --ema
 
 # Session 39: does the head learn faster still when its context projection also starts as the target's? Two arms
 # from scratch on session 38's store (store_s35_taps, 552K tokens; a fresh checkout rebuilds it in ~25 minutes

@@ -880,3 +880,41 @@ def test_loss_gamma_sets_the_position_decay_of_the_loss(tmp_path):
     with pytest.raises(ValueError, match=r"loss_gamma=None, but .* trained with loss_gamma=1.0"):
         make_trainer(tmp_path / "b", steps=2).train(resume=True)
     assert make_trainer(tmp_path / "b", steps=2, loss_gamma=1.0).train(resume=True)[-1]["step"] == 2
+
+
+def test_a_wsd_trunk_cooled_down_from_a_copy_of_its_checkpoint_equals_a_run_planned_to_that_length(tmp_path):
+    import shutil
+
+    wsd = dict(lr_schedule="wsd", warmup_steps=2)
+    planned = make_trainer(tmp_path / "planned", steps=8, decay_steps=3, **wsd)
+    planned.train()
+    peak = planned.config.learning_rate
+    expected = [0.5, 1, 1, 1, 1, 1, 1 - math.sqrt(1 / 3), 1 - math.sqrt(2 / 3)]  # the rate each step used
+    used = [peak / 2] + [h["lr"] for h in planned.history[:-1]]  # history logs the rate for the next step
+    assert used == pytest.approx([peak * f for f in expected])
+    # The trunk plans 1,000 steps (a constant rate until step 800); after 5 its checkpoint is copied and the copy
+    # resumed with steps=8: it cools down into exactly the planned run's head, and the trunk is untouched.
+    trunk = make_trainer(tmp_path / "trunk", steps=1000, **wsd)
+    trunk.train(stop_after=5)
+    assert [h["lr"] for h in trunk.history[1:]] == [peak] * 4
+    (tmp_path / "branch").mkdir()
+    shutil.copy(tmp_path / "trunk" / "checkpoint.pt", tmp_path / "branch" / "checkpoint.pt")
+    branch = make_trainer(tmp_path / "branch", steps=8, decay_steps=3, **wsd)
+    branch.train(resume=True)
+    a = planned.accelerator.unwrap_model(planned.drafter).state_dict()
+    b = branch.accelerator.unwrap_model(branch.drafter).state_dict()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    with pytest.raises(ValueError, match=r"lr_schedule=cosine, but .* trained with lr_schedule=wsd"):
+        make_trainer(tmp_path / "trunk", steps=1000).train(resume=True)
+    assert make_trainer(tmp_path / "trunk", steps=1000, **wsd).train(resume=True, stop_after=1)[-1]["step"] == 6
+
+
+def test_a_bad_schedule_is_named_before_training():
+    for config, message in ((TrainingConfig(lr_schedule="linear"), "must be 'cosine' or 'wsd', got 'linear'"),
+                            (TrainingConfig(decay_steps=10), "decay_steps=10 is the wsd schedule's cool-down"),
+                            (TrainingConfig(lr_schedule="wsd", steps=100, decay_steps=101),
+                             r"decay_steps must be in \[1, steps=100\], got 101"),
+                            (TrainingConfig(lr_schedule="wsd", decay_steps=0), "decay_steps must be in .* got 0")):
+        with pytest.raises(ValueError, match=message):
+            config.validate()

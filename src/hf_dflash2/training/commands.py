@@ -361,6 +361,8 @@ def cmd_train(args) -> int:
         standardize_features=not args.raw_features,
         output_scale=args.output_scale,
         warmup_steps=args.warmup_steps,
+        lr_schedule=args.lr_schedule,
+        decay_steps=args.decay_steps,
         logit_ramp_steps=args.logit_ramp_steps,
         ema_decay=args.ema_decay,
         gradient_checkpointing=args.gradient_checkpointing,
@@ -539,7 +541,7 @@ def _register_train(sub) -> None:
                    "them; with --init-from a head tapping a subset, its new taps start at zero)")
     p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
     p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
-    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (the cosine schedule's length)")
+    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (the schedule's length)")
     p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
     p.add_argument("--init-from", default=None,
                    help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
@@ -563,8 +565,14 @@ def _register_train(sub) -> None:
                    help="with --store: train only on records whose id starts with one of these comma-separated "
                    "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text); PREFIX=N repeats "
                    "its records N times per epoch (the longest matching prefix counts), e.g. regen/python/=3,regen/")
-    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate (AdamW, cosine decay)")
+    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate (AdamW; see --lr-schedule)")
     p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
+    p.add_argument("--lr-schedule", choices=["cosine", "wsd"], default=d["lr_schedule"],
+                   help="after the warmup: cosine decay over --steps, or wsd: constant until the last --decay-steps, "
+                   "then down to 0 (a long run's trunk at a constant rate; resume a copy of its checkpoint with "
+                   "--steps NOW+DECAY to cool it down into a head while the trunk goes on)")
+    p.add_argument("--decay-steps", type=int, default=None,
+                   help="with --lr-schedule wsd: the cool-down's length (default: 20%% of the steps after warmup)")
     # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code
     # that builds full-scale heads with DFlash2DraftModel.for_target.
     p.add_argument("--output-scale", type=float, default=0.1,

@@ -4,7 +4,8 @@ Each step: take ``batch_size`` regenerated sequences (prompt + the target's own 
 target runs once over each (no grad) and yields its tapped layers; ``anchors_per_sequence`` random
 anchors inside the response each open a block ``[anchor, MASK x (B-1)]``; all blocks of a sequence go
 through the drafter in one forward with the sparse block mask; the loss is the position-decayed CE plus
-the selector's teacher-forced K-way CE. AdamW, cosine schedule with warmup, gradient clipping.
+the selector's teacher-forced K-way CE. AdamW, warmup then a cosine decay (or a constant rate and a final
+cool-down: ``lr_schedule="wsd"``), gradient clipping.
 
 Accelerate supplies devices, processes (DDP / FSDP via ``accelerate launch``) and mixed precision.
 Checkpoints are single files written atomically; ``resume=True`` continues with the same data order,
@@ -47,6 +48,13 @@ class TrainingConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     warmup_steps: int | None = None  # overrides warmup_ratio
+    # "cosine": the rate decays over the whole run, so --steps must be known at step 0. "wsd" (warmup, stable,
+    # decay): constant until the last ``decay_steps``, then 1 - sqrt down to 0. A run that spans sessions trains
+    # its trunk at a constant rate with a large --steps; a copy of its checkpoint resumed with
+    # ``--steps <now + decay_steps>`` cools down into a finished head while the trunk goes on (Hägele et al. 2024:
+    # a cool-down of ~20 % matches cosine at the same budget).
+    lr_schedule: str = "cosine"
+    decay_steps: int | None = None  # wsd's cool-down; None: 20 % of the steps after warmup
     logit_ramp_steps: int = 20  # a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
     output_scale: float = 1.0  # the fresh head's output norm, as a fraction of the target's (recorded; see for_target)
     grad_clip: float = 1.0
@@ -82,6 +90,14 @@ class TrainingConfig:
         """Named errors before any model is loaded."""
         if self.label_source not in ("data", "argmax", "kl"):
             raise ValueError(f"label_source must be 'data', 'argmax' or 'kl', got {self.label_source!r}")
+        if self.lr_schedule not in ("cosine", "wsd"):
+            raise ValueError(f"lr_schedule must be 'cosine' or 'wsd', got {self.lr_schedule!r}")
+        if self.decay_steps is not None:
+            if self.lr_schedule != "wsd":
+                raise ValueError(f"decay_steps={self.decay_steps} is the wsd schedule's cool-down: set "
+                                 f"lr_schedule='wsd' (got {self.lr_schedule!r})")
+            if not 1 <= self.decay_steps <= self.steps:
+                raise ValueError(f"decay_steps must be in [1, steps={self.steps}], got {self.decay_steps}")
         if self.vocab_subset not in ("data", "full"):
             raise ValueError(f"vocab_subset must be 'data' or 'full', got {self.vocab_subset!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -106,6 +122,24 @@ class TrainingConfig:
             raise ValueError(f"hidden_weight must be a finite number >= 0 (0: off), got {self.hidden_weight}")
         if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
             raise ValueError(f"loss_gamma must be a finite number > 0 (or None: by block size), got {self.loss_gamma}")
+
+
+def learning_rate_factor(config: TrainingConfig, warmup: int):
+    """``step -> factor`` of the peak rate: linear warmup, then cosine to 0 over the rest of ``config.steps``,
+    or (``wsd``) 1 until the last ``decay_steps`` and ``1 - sqrt(progress)`` through them."""
+    steps = config.steps
+    decay = config.decay_steps or max(1, (steps - warmup) // 5)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if config.lr_schedule == "wsd":
+            progress = (step - (steps - decay)) / decay
+            return 1.0 if progress <= 0 else max(0.0, 1 - math.sqrt(min(1.0, progress)))
+        progress = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
 
 
 def load_sequences(path: str | Path, max_length: int) -> list[dict]:
@@ -514,11 +548,7 @@ class Trainer:
         self.warmup_steps = warmup
         self.output_factor = calibrated_output_factor(drafter, self.target)
 
-        def schedule(step):
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = (step - warmup) / max(1, config.steps - warmup)
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        schedule = learning_rate_factor(config, warmup)
 
         if config.gradient_checkpointing:
             enable = getattr(drafter, "activation_checkpointing_enable", None)
@@ -763,7 +793,7 @@ class Trainer:
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
         # The average must cover the run from its step 0; one run has one objective (the recipe records one value).
-        for name, default in (("ema_decay", 0.0), ("loss_gamma", None)):
+        for name, default in (("ema_decay", 0.0), ("loss_gamma", None), ("lr_schedule", "cosine")):
             trained, asked = state["config"].get(name, default), getattr(self.config, name)
             if trained != asked:
                 raise ValueError(
