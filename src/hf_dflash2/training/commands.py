@@ -338,6 +338,10 @@ def cmd_train(args) -> int:
                          "reads: give --init-layers-from-target too")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not args.release_freed_memory:
+        from ..allocator import retain_freed_memory
+
+        retain_freed_memory()
     precision = resolve_precision(args.mixed_precision)
     config = TrainingConfig(
         output_dir=args.output,
@@ -582,6 +586,10 @@ def _register_train(sub) -> None:
     p.add_argument("--ema-decay", type=float, default=d["ema_decay"],
                    help="keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed "
                    "beside them; export it with `python -m hf_dflash2.training.export RUN DIR --ema`")
+    p.add_argument("--release-freed-memory", action="store_true",
+                   help="leave glibc's defaults, which give freed memory back to the kernel (by default the "
+                   "trainer keeps it mapped: each step's temporaries then reuse pages instead of faulting in "
+                   "fresh ones; see hf_dflash2/allocator.py)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="recompute each head layer in the backward pass instead of keeping its activations "
                    "(less memory, more time: large targets on a GPU)")

@@ -1,0 +1,52 @@
+"""Keep freed heap memory mapped in long CPU runs, so that each step's large temporaries reuse pages that are
+already there instead of faulting in fresh ones.
+
+glibc gives freed memory back to the kernel: a block above the mmap threshold is unmapped when freed, and a
+free top of the heap above the trim threshold is trimmed. A training step allocates and frees tens of
+megabytes of temporaries (the dense gradients of the selector's [V, rank] codebooks, logits over the draft
+vocabulary), so every step faults in fresh zeroed pages. On the virtual machines here a page fault costs
+some ten microseconds, and a SmolLM2 training step took ~20,000 of them (`benchmarks/allocator_faults.py`
+measures it). Raising both thresholds keeps those pages in the process for the next step: more resident
+memory (at most ``trim_threshold`` of freed memory), no change to any result.
+
+Process-wide, so only a command that owns its process calls it (``hf-dflash2 train``); not glibc (macOS,
+musl): nothing happens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+# mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
+M_MMAP_THRESHOLD = -3
+# glibc refuses an mmap threshold above HEAP_MAX_SIZE / 2, 32 MiB on 64-bit systems.
+LARGEST_MMAP_THRESHOLD = 32 << 20
+
+
+def retain_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) -> bool:
+    """Allocations up to 32 MiB come from the heap, and up to ``trim_threshold`` bytes of freed heap stay
+    mapped (the heap grows ``top_pad`` bytes at a time). Returns whether glibc took the settings."""
+    if not 0 < trim_threshold < 2**31 or not 0 <= top_pad < 2**31:  # mallopt takes a C int
+        raise ValueError(f"trim_threshold must be in (0, 2**31) and top_pad in [0, 2**31), got "
+                         f"{trim_threshold} and {top_pad}")
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    gnu_get_libc_version = getattr(ctypes.CDLL(name), "gnu_get_libc_version", None) if mallopt else None
+    if gnu_get_libc_version is None:  # mallopt exists in musl too, where it does nothing
+        logger.info("allocator: not glibc, freed memory is left to the C library")
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    taken = all(mallopt(param, value) == 1 for param, value in (
+        (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad)))
+    logger.info("allocator: glibc keeps up to %d MiB of freed memory mapped%s", trim_threshold >> 20,
+                "" if taken else " (mallopt refused a setting)")
+    return taken
