@@ -16,7 +16,6 @@ musl): nothing happens.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 logger = logging.getLogger(__name__)
@@ -35,15 +34,14 @@ def retain_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) 
     if not 0 < trim_threshold < 2**31 or not 0 <= top_pad < 2**31:  # mallopt takes a C int
         raise ValueError(f"trim_threshold must be in (0, 2**31) and top_pad in [0, 2**31), got "
                          f"{trim_threshold} and {top_pad}")
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
-    gnu_get_libc_version = getattr(ctypes.CDLL(name), "gnu_get_libc_version", None) if mallopt else None
-    if gnu_get_libc_version is None:  # mallopt exists in musl too, where it does nothing
+        libc = ctypes.CDLL(None)  # the symbols already loaded into this process, the C library's among them
+    except OSError:
+        libc = None
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # musl has mallopt too, and ignores it
         logger.info("allocator: not glibc, freed memory is left to the C library")
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     taken = all(mallopt(param, value) == 1 for param, value in (
         (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad)))
