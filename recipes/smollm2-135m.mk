@@ -583,8 +583,10 @@ store-smollm2-s38: regenerate-smollm2-s38
 # data/store_s38 (1.1M tokens), both threads. A cosine schedule needs its length at step 0, and a run that
 # spans sessions does not know it; so the trunk trains at a constant rate (--lr-schedule wsd with a length it
 # never reaches), stopping after S40_MINUTES each call and resuming where it stopped. `make cool-smollm2-s40`
-# copies the trunk's checkpoint and cools the copy down over S40_COOL steps (the rate 1 - sqrt down to 0) into
-# a finished head, exported, while the trunk goes on. The trainer's held-out evaluation every 2,500 steps
+# copies the trunk's checkpoint (then reads its step from the copy: the trunk rewrites its own every 100 steps)
+# and cools the copy down over S40_COOL steps (the rate 1 - sqrt down to 0) into a finished head, exported,
+# while the trunk goes on (run again, it starts a new copy; an interrupted one resumes with the same train
+# arguments, --steps <its step + S40_COOL> and --output runs/long_s40_cool<its step>). The trainer's held-out evaluation every 2,500 steps
 # draws the trunk's curve (`python benchmarks/tau_curve.py runs/long_s40_trunk`).
 S40_TRUNK := runs/long_s40_trunk
 S40_MINUTES ?= 150
@@ -596,10 +598,11 @@ long-smollm2-s40: store-smollm2-s38
 	$(VENV)/bin/hf-dflash2 train $(S40_ARGS) --output $(S40_TRUNK) --stop-after-minutes $(S40_MINUTES)
 
 cool-smollm2-s40: setup
-	step=$$($(PY) -c "import torch; print(torch.load('$(S40_TRUNK)/checkpoint.pt', weights_only=False)['step'])") \
-	&& out=runs/long_s40_cool$$step && mkdir -p $$out && { test -f $$out/checkpoint.pt || \
-	cp $(S40_TRUNK)/checkpoint.pt $$out/; } && $(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps \
-	$$((step + $(S40_COOL))),$(S40_ARGS)) --decay-steps $(S40_COOL) --output $$out && \
+	mkdir -p runs && copy=$$(mktemp -p runs .cool_s40.XXXXXX) && cp $(S40_TRUNK)/checkpoint.pt $$copy && \
+	step=$$($(PY) -c "import torch; print(torch.load('$$copy', weights_only=False)['step'])") && \
+	out=runs/long_s40_cool$$step && mkdir -p $$out && mv $$copy $$out/checkpoint.pt && \
+	$(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps $$((step + $(S40_COOL))),$(S40_ARGS)) \
+		--decay-steps $(S40_COOL) --output $$out && \
 	$(PY) -m hf_dflash2.training.export $$out $$out/export && \
 	$(PY) -m hf_dflash2.training.export $$out $$out/export_ema --ema
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
@@ -882,7 +883,7 @@ def test_loss_gamma_sets_the_position_decay_of_the_loss(tmp_path):
     assert make_trainer(tmp_path / "b", steps=2, loss_gamma=1.0).train(resume=True)[-1]["step"] == 2
 
 
-def test_a_wsd_trunk_cooled_down_from_a_copy_of_its_checkpoint_equals_a_run_planned_to_that_length(tmp_path):
+def test_a_wsd_trunk_cooled_down_from_a_copy_of_its_checkpoint_equals_a_run_planned_to_that_length(tmp_path, caplog):
     import shutil
 
     wsd = dict(lr_schedule="wsd", warmup_steps=2)
@@ -905,6 +906,14 @@ def test_a_wsd_trunk_cooled_down_from_a_copy_of_its_checkpoint_equals_a_run_plan
     b = branch.accelerator.unwrap_model(branch.drafter).state_dict()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    # A copy taken later than its plan's cool-down start resumes on its plan's rate, and says so.
+    (tmp_path / "late").mkdir()
+    shutil.copy(tmp_path / "trunk" / "checkpoint.pt", tmp_path / "late" / "checkpoint.pt")
+    late = make_trainer(tmp_path / "late", steps=7, decay_steps=3, **wsd)
+    with caplog.at_level(logging.WARNING, logger="hf_dflash2.training.trainer"):
+        assert late.load_checkpoint()
+    assert late.optimizer.param_groups[0]["lr"] == pytest.approx(peak * (1 - math.sqrt(1 / 3)))
+    assert "resuming at step 5 with the rate" in caplog.text
     with pytest.raises(ValueError, match=r"lr_schedule=cosine, but .* trained with lr_schedule=wsd"):
         make_trainer(tmp_path / "trunk", steps=1000).train(resume=True)
     assert make_trainer(tmp_path / "trunk", steps=1000, **wsd).train(resume=True, stop_after=1)[-1]["step"] == 6
@@ -913,8 +922,8 @@ def test_a_wsd_trunk_cooled_down_from_a_copy_of_its_checkpoint_equals_a_run_plan
 def test_a_bad_schedule_is_named_before_training():
     for config, message in ((TrainingConfig(lr_schedule="linear"), "must be 'cosine' or 'wsd', got 'linear'"),
                             (TrainingConfig(decay_steps=10), "decay_steps=10 is the wsd schedule's cool-down"),
-                            (TrainingConfig(lr_schedule="wsd", steps=100, decay_steps=101),
-                             r"decay_steps must be in \[1, steps=100\], got 101"),
+                            (TrainingConfig(lr_schedule="wsd", steps=100, warmup_steps=10, decay_steps=91),
+                             r"decay_steps must be in \[1, steps - warmup = 90\] \(steps=100\), got 91"),
                             (TrainingConfig(lr_schedule="wsd", decay_steps=0), "decay_steps must be in .* got 0")):
         with pytest.raises(ValueError, match=message):
             config.validate()

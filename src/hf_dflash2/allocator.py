@@ -9,14 +9,15 @@ some ten microseconds, and a SmolLM2 training step took ~20,000 of them (`benchm
 measures it). Raising both thresholds keeps those pages in the process for the next step: more resident
 memory (at most ``trim_threshold`` of freed memory), no change to any result.
 
-Process-wide, so only a command that owns its process calls it (``hf-dflash2 train``); not glibc (macOS,
-musl): nothing happens.
+Process-wide, so only a command that owns its process calls it (``hf-dflash2 train``); anywhere but Linux with
+glibc (macOS, Windows, musl) nothing happens.
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 
 logger = logging.getLogger(__name__)
 
@@ -34,17 +35,14 @@ def retain_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) 
     if not 0 < trim_threshold < 2**31 or not 0 <= top_pad < 2**31:  # mallopt takes a C int
         raise ValueError(f"trim_threshold must be in (0, 2**31) and top_pad in [0, 2**31), got "
                          f"{trim_threshold} and {top_pad}")
-    try:
-        libc = ctypes.CDLL(None)  # the symbols already loaded into this process, the C library's among them
-    except OSError:
-        libc = None
+    libc = ctypes.CDLL(None) if sys.platform.startswith("linux") else None  # what this process has loaded
     if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # musl has mallopt too, and ignores it
         logger.info("allocator: not glibc, freed memory is left to the C library")
         return False
     mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    taken = all(mallopt(param, value) == 1 for param, value in (
-        (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad)))
+    taken = all([mallopt(param, value) == 1 for param, value in (  # each setting tried, whatever the others do
+        (M_MMAP_THRESHOLD, LARGEST_MMAP_THRESHOLD), (M_TRIM_THRESHOLD, trim_threshold), (M_TOP_PAD, top_pad))])
     logger.info("allocator: glibc keeps up to %d MiB of freed memory mapped%s", trim_threshold >> 20,
                 "" if taken else " (mallopt refused a setting)")
     return taken

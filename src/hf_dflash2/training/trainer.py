@@ -86,6 +86,9 @@ class TrainingConfig:
     loss_gamma: float | None = None
     extra: dict = field(default_factory=dict)
 
+    def warmup_length(self) -> int:
+        return self.warmup_steps or max(1, int(self.warmup_ratio * self.steps))
+
     def validate(self) -> None:
         """Named errors before any model is loaded."""
         if self.label_source not in ("data", "argmax", "kl"):
@@ -96,8 +99,9 @@ class TrainingConfig:
             if self.lr_schedule != "wsd":
                 raise ValueError(f"decay_steps={self.decay_steps} is the wsd schedule's cool-down: set "
                                  f"lr_schedule='wsd' (got {self.lr_schedule!r})")
-            if not 1 <= self.decay_steps <= self.steps:
-                raise ValueError(f"decay_steps must be in [1, steps={self.steps}], got {self.decay_steps}")
+            if not 1 <= self.decay_steps <= self.steps - self.warmup_length():
+                raise ValueError(f"decay_steps must be in [1, steps - warmup = {self.steps - self.warmup_length()}]"
+                                 f" (steps={self.steps}), got {self.decay_steps}")
         if self.vocab_subset not in ("data", "full"):
             raise ValueError(f"vocab_subset must be 'data' or 'full', got {self.vocab_subset!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
@@ -544,7 +548,7 @@ class Trainer:
             betas=(0.9, 0.95),
             fused=True,
         )
-        warmup = config.warmup_steps or max(1, int(config.warmup_ratio * config.steps))
+        warmup = config.warmup_length()
         self.warmup_steps = warmup
         self.output_factor = calibrated_output_factor(drafter, self.target)
 
@@ -818,6 +822,16 @@ class Trainer:
         self._restore_drafter(state)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        # The checkpoint holds the rate its own schedule set for the next step; this run's schedule decides it
+        # (the same number unless --steps, --lr-schedule or --decay-steps changed).
+        planned = [base * self.scheduler.lr_lambdas[0](state["step"]) for base in self.scheduler.base_lrs]
+        left = [group["lr"] for group in self.optimizer.param_groups]
+        if not all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for a, b in zip(planned, left)):
+            logger.warning("resuming at step %d with the rate %.4g where the run had %.4g: this run's schedule "
+                           "(steps=%d, %s) differs there", state["step"], planned[0], left[0], self.config.steps,
+                           self.config.lr_schedule)
+        for group, rate in zip(self.optimizer.param_groups, planned):
+            group["lr"] = rate
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
         self.step = state["step"]
