@@ -29,21 +29,18 @@ RECIPE = ("--target-layer-ids 1,7,14,20,27 --max-length 832 --warmup-steps 60 --
           "--checkpoint-every 100000 --log-every 100000 --seed 0 --init-layers-from-target last").split()
 
 
-def minor_faults() -> int:
-    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
-
-
 def child(args) -> None:
     """Train ``--steps`` steps and write each step's seconds and minor page faults to ``--child``."""
+    from hf_dflash2.allocator import minor_page_faults
     from hf_dflash2.cli import main
     from hf_dflash2.training.trainer import Trainer
 
     steps, train_step = [], Trainer.train_step
 
     def timed_step(self):
-        faults, started = minor_faults(), time.perf_counter()
+        faults, started = minor_page_faults(), time.perf_counter()
         record = train_step(self)
-        steps.append({"seconds": time.perf_counter() - started, "faults": minor_faults() - faults})
+        steps.append({"seconds": time.perf_counter() - started, "faults": minor_page_faults() - faults})
         return record
 
     Trainer.train_step = timed_step

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -46,3 +47,9 @@ def retain_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) 
     logger.info("allocator: glibc keeps up to %d MiB of freed memory mapped%s", trim_threshold >> 20,
                 "" if taken else " (mallopt refused a setting)")
     return taken
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (Linux: field 10 of ``/proc/self/stat``)."""
+    # The command name in field 2 may hold spaces and parentheses, so count fields after its closing one.
+    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])

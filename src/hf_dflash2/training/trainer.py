@@ -128,10 +128,10 @@ class TrainingConfig:
             raise ValueError(f"loss_gamma must be a finite number > 0 (or None: by block size), got {self.loss_gamma}")
 
 
-def learning_rate_factor(config: TrainingConfig, warmup: int):
+def learning_rate_factor(config: TrainingConfig):
     """``step -> factor`` of the peak rate: linear warmup, then cosine to 0 over the rest of ``config.steps``,
     or (``wsd``) 1 until the last ``decay_steps`` and ``1 - sqrt(progress)`` through them."""
-    steps = config.steps
+    steps, warmup = config.steps, config.warmup_length()
     decay = config.decay_steps or max(1, (steps - warmup) // 5)
 
     def factor(step: int) -> float:
@@ -552,7 +552,7 @@ class Trainer:
         self.warmup_steps = warmup
         self.output_factor = calibrated_output_factor(drafter, self.target)
 
-        schedule = learning_rate_factor(config, warmup)
+        schedule = learning_rate_factor(config)
 
         if config.gradient_checkpointing:
             enable = getattr(drafter, "activation_checkpointing_enable", None)
