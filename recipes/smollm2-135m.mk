@@ -580,7 +580,7 @@ store-smollm2-s38: regenerate-smollm2-s38
 		--target-layer-ids 1,7,14,20,27,29 --max-length 832
 
 # The long run session 38 points to, as session 40 runs it: a new lineage from the target's last two layers on
-# data/store_s38 (1.1M tokens), both threads. A cosine schedule needs its length at step 0, and a run that
+# data/store_s38 (1.5M tokens), both threads. A cosine schedule needs its length at step 0, and a run that
 # spans sessions does not know it; so the trunk trains at a constant rate (--lr-schedule wsd with a length it
 # never reaches), stopping after S40_MINUTES each call and resuming where it stopped. `make cool-smollm2-s40`
 # copies the trunk's checkpoint (then reads its step from the copy: the trunk rewrites its own every 100 steps)
@@ -588,6 +588,8 @@ store-smollm2-s38: regenerate-smollm2-s38
 # while the trunk goes on (run again, it starts a new copy; an interrupted one resumes with the same train
 # arguments, --steps <its step + S40_COOL> and --output runs/long_s40_cool<its step>). The trainer's held-out evaluation every 2,500 steps
 # draws the trunk's curve (`python benchmarks/tau_curve.py runs/long_s40_trunk`).
+# Session 41: the cool-down of trunk step 14,129 (14,129 steps in two calls, ~145 minutes, then `make cool-smollm2-s40`;
+# runs/long_s40_cool14129/export, last weights) is the committed head heads/smollm2-135m-dflash2.
 S40_TRUNK := runs/long_s40_trunk
 S40_MINUTES ?= 150
 S40_COOL ?= 1500
