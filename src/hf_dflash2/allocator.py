@@ -18,7 +18,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
-from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +49,7 @@ def retain_freed_memory(trim_threshold: int = 1 << 30, top_pad: int = 64 << 20) 
 
 
 def minor_page_faults() -> int:
-    """Minor page faults of this process so far (Linux: field 10 of ``/proc/self/stat``)."""
-    # The command name in field 2 may hold spaces and parentheses, so count fields after its closing one.
-    return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+    """Minor page faults of this process so far, all its threads (``getrusage``'s ``ru_minflt``; Unix only)."""
+    import resource  # not on Windows, where retain_freed_memory must still import and do nothing
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
