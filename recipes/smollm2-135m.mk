@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 arm-smollm2-s39 long-smollm2-s40 cool-smollm2-s40
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 arm-smollm2-s39 long-smollm2-s40 cool-smollm2-s40 ablation-smollm2-s42
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -627,3 +627,17 @@ arm-smollm2-s39: store-smollm2-s35
 	$(VENV)/bin/hf-dflash2 train $(S39_ARGS) $(S39_INIT_$(S39_ARM)) --output runs/s39_$(S39_ARM) \
 		--stop-after-minutes $(S39_MINUTES)
 	$(call export_run,runs/s39_$(S39_ARM))
+
+# Session 42: issue 8's ablation again, with today's recipe. Session 17's pair (+0.12) was trained from scratch on
+# an old store; since then the heads start from the target's last two layers. The dFlash 2 arm is session 39's
+# layers arm (runs/s39_layers: S39_ARGS, --init-layers-from-target last, --steps 7000 up to step 1,800, then
+# resumed with --steps 6000 to the end); the DFlash-1 arm replays exactly that: same data order, seed, steps and
+# schedule, two threads (the thread count changes speed, not the recipe). Phase one runs only in a fresh run
+# folder; run the target again to continue phase two. Then held-out tau of the pair on ABLATION42_SLICES.
+ABLATION42_RUN := runs/s42_dflash1
+ABLATION42_ARGS = $(subst --threads 1,--threads 2,$(S39_ARGS)) $(S39_INIT_layers) --dflash1 --output $(ABLATION42_RUN)
+ablation-smollm2-s42: S39_STEPS = 7000
+ablation-smollm2-s42: store-smollm2-s35
+	test -f $(ABLATION42_RUN)/checkpoint.pt || $(VENV)/bin/hf-dflash2 train $(ABLATION42_ARGS) --stop-after 1800
+	$(VENV)/bin/hf-dflash2 train $(subst --steps 7000,--steps 6000,$(ABLATION42_ARGS)) --resume
+	$(call export_run,$(ABLATION42_RUN))
