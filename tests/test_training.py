@@ -927,3 +927,59 @@ def test_a_bad_schedule_is_named_before_training():
                             (TrainingConfig(lr_schedule="wsd", decay_steps=0), "decay_steps must be in .* got 0")):
         with pytest.raises(ValueError, match=message):
             config.validate()
+
+
+def test_copy_weight_finds_the_positions_the_ngram_chain_gets_and_weights_only_those(tmp_path):
+    from hf_dflash2.training.losses import block_loss
+    from hf_dflash2.training.trainer import ngram_copied_positions
+
+    # "5 6 7 8 9" occurs, then "5 6 7" again: from the anchor at the second 7 (index 8) the 3-gram match
+    # drafts 8 9 10 11 ...; the labels agree on 8 9, then differ, so only the first two are copies.
+    ids = torch.tensor([1, 5, 6, 7, 8, 9, 2, 6, 7, 8, 9, 3, 4, 4])
+    ids[6] = 5  # "5 6 7" at 6..8 repeats 1..3
+    anchors = torch.tensor([8, 2])
+    labels = torch.tensor([[8, 9, 30, 31], [7, 8, 9, 2]])
+    copied = ngram_copied_positions(ids, anchors, labels)
+    # anchor 2 ("... 5 6"): "6" occurs nowhere before, so no match and no copy
+    assert copied.tolist() == [[True, True, False, False], [False, False, False, False]]
+    # a copy run stops at the first miss, even where a later token happens to agree
+    run = ngram_copied_positions(ids, anchors[:1], torch.tensor([[8, 0, 2, 6]]))
+    assert run.tolist() == [[True, False, False, False]]
+    # past the end (-100) is never a copy
+    assert not ngram_copied_positions(ids, anchors[:1], torch.tensor([[-100, -100, -100, -100]])).any()
+
+    # label weight 0 is exactly the label left out (-100), for the unary and the selector terms alike
+    trainer = make_trainer(tmp_path / "w", steps=1)
+    drafter = trainer.accelerator.unwrap_model(trainer.drafter)
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 3, drafter.config.hidden_size)
+    labels = torch.randint(0, 64, (3, 3))
+    predecessors = torch.randint(0, 64, (3, 3))
+    weights = torch.ones(3, 3)
+    weights[0, 1] = weights[2, 0] = 0.0
+    dropped = labels.clone()
+    dropped[0, 1] = dropped[2, 0] = -100
+    weighted, m1 = block_loss(drafter, hidden, labels, predecessors, 4.0, label_weights=weights)
+    left_out, m2 = block_loss(drafter, hidden, dropped, predecessors, 4.0)
+    assert weighted.item() == pytest.approx(left_out.item(), rel=1e-5)
+    assert m1["selector_loss"] == pytest.approx(m2["selector_loss"], rel=1e-5)
+    plain, _ = block_loss(drafter, hidden, labels, predecessors, 4.0)
+    assert plain.item() != pytest.approx(weighted.item(), rel=1e-4)
+    assert block_loss(drafter, hidden, labels, predecessors, 4.0, label_weights=torch.ones(3, 3))[0].item() == (
+        pytest.approx(plain.item(), rel=1e-6))
+
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=f"copy_weight must be in \\[0, 1\\] .*got {bad}"):
+            TrainingConfig(copy_weight=bad).validate()
+
+
+def test_copy_weight_trains_on_repetitive_text_and_a_resume_keeps_it(tmp_path):
+    repetitive = [{"input_ids": [3, 4, 5, 6, 7, 8, 9, 10] * 4, "response_start": 2} for _ in range(4)]
+    plain = make_trainer(tmp_path / "a", steps=1, sequences=repetitive)
+    lighter = make_trainer(tmp_path / "b", steps=1, sequences=repetitive, copy_weight=0.2)
+    # Same init, data and seed: the first step's loss differs only through the copies' weight.
+    assert plain.train()[0]["loss"] != pytest.approx(lighter.train()[0]["loss"], rel=1e-4)
+    with pytest.raises(ValueError, match=r"copy_weight=1.0, but .* trained with copy_weight=0.2"):
+        make_trainer(tmp_path / "b", steps=2, sequences=repetitive).train(resume=True)
+    resumed = make_trainer(tmp_path / "b", steps=2, sequences=repetitive, copy_weight=0.2).train(resume=True)
+    assert resumed[-1]["step"] == 2

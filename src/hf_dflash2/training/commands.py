@@ -372,6 +372,7 @@ def cmd_train(args) -> int:
         gradient_checkpointing=args.gradient_checkpointing,
         hidden_weight=args.hidden_weight,
         loss_gamma=args.loss_gamma,
+        copy_weight=args.copy_weight,
     )
     try:
         config.validate()
@@ -599,6 +600,9 @@ def _register_train(sub) -> None:
     p.add_argument("--loss-gamma", type=float, default=d["loss_gamma"],
                    help="decay of the loss over block positions, weight exp(-(k-1)/gamma) "
                    "(default: the DFlash paper's for the block size, 4 at B = 8)")
+    p.add_argument("--copy-weight", type=float, default=d["copy_weight"],
+                   help="weight of the block positions the fast loop's n-gram chain would draft and have accepted "
+                   "from the same anchor (1: off; below 1 the head learns more of the text no copy drafts)")
     p.add_argument("--selector-weight", type=float, default=d["selector_weight"],
                    help="weight of the selector's loss beside the per-position loss")
     p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"],

@@ -56,6 +56,7 @@ def block_loss(
     logit_scale: float = 1.0,
     hidden_targets: torch.Tensor | None = None,
     hidden_weight: float = 0.0,
+    label_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Loss of a set of blocks.
 
@@ -71,10 +72,13 @@ def block_loss(
     ``hidden_targets`` [M, P, H]: the target's LM-head input where it predicts each label. The head feeds
     the same LM head, so matching it matches the target's logits over the whole vocabulary, a signal
     beyond its top-k; the term is the squared error relative to the target state's mean square, decayed
-    like the CE and weighted by ``hidden_weight``.
+    like the CE and weighted by ``hidden_weight``. ``label_weights`` [M, P] multiply the position weights of
+    every term (the trainer's ``copy_weight``); the loss stays normalised by the weights' sum.
     """
     valid = labels >= 0
     weights = position_weights(labels.shape[1], gamma, hidden.device)[None].expand_as(labels) * valid
+    if label_weights is not None:
+        weights = weights * label_weights
     norm = weights.sum().clamp_min(1e-6)
     bound = drafter.bound_target
     head = head_weight

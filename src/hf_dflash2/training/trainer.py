@@ -30,7 +30,7 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
 from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale, calibrated_output_factor
-from ..speculative_dflash2 import last_position, tapped_features
+from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, last_position, ngram_draft, tapped_features
 from .losses import block_loss, decay_gamma
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,11 @@ class TrainingConfig:
     # size (4 at B = 8, 7 at B = 16). A weak head accepts ~0.5-0.6 per position, so position k adds ~0.55^(k-1)
     # to tau: a smaller gamma spends the head's capacity where acceptance is decided.
     loss_gamma: float | None = None
+    # 1: off. Otherwise the weight of the block positions that the fast loop's own n-gram chain (prompt lookup,
+    # ``ngram_draft``) drafts and has accepted from the same anchor: the default loop verifies that chain beside
+    # the head's tree, so a head that learns those tokens adds little there (session 42: 44 % of the training
+    # positions of data/store_s38 are such copies). Below 1 the head's capacity goes to the text no copy drafts.
+    copy_weight: float = 1.0
     extra: dict = field(default_factory=dict)
 
     def warmup_length(self) -> int:
@@ -126,6 +131,8 @@ class TrainingConfig:
             raise ValueError(f"hidden_weight must be a finite number >= 0 (0: off), got {self.hidden_weight}")
         if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
             raise ValueError(f"loss_gamma must be a finite number > 0 (or None: by block size), got {self.loss_gamma}")
+        if not 0 <= self.copy_weight <= 1:  # also refuses NaN
+            raise ValueError(f"copy_weight must be in [0, 1] (1: off), got {self.copy_weight}")
 
 
 def learning_rate_factor(config: TrainingConfig):
@@ -264,6 +271,17 @@ def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int,
 
 
 @torch.no_grad()
+def ngram_copied_positions(ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
+                           ngram_size: int = DEFAULT_NGRAM_SIZE) -> torch.Tensor:
+    """ids: [T] the sequence; anchors: [n]; labels: [n, B-1] (-100 past the end) -> [n, B-1] bool: the block
+    positions that the fast loop's n-gram chain, looked up from the text up to each anchor as the loop does
+    (``ngram_draft``), drafts correctly and in a row from the first, i.e. the positions it would have had
+    accepted."""
+    history = ids[None].expand(len(anchors), len(ids))
+    drafted, size = ngram_draft(history, anchors + 1, labels.shape[1], ngram_size)
+    return ((drafted == labels) & (labels >= 0) & (size[:, None] > 0)).long().cumprod(-1).bool()
+
+
 def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     """Per-channel RMS [taps * H] of tapped target features, skipping each sequence's first position(s).
 
@@ -632,6 +650,10 @@ class Trainer:
                 labels = torch.where(torch.isin(labels, self.vocab_subset.cpu()), labels, -100)
             if soft is not None:
                 soft = tuple(t[:, :keep].to(device) for t in soft)
+            label_weights = None
+            if self.config.copy_weight != 1:
+                copied = ngram_copied_positions(ids, anchors[0].cpu(), labels)[:, :keep]
+                label_weights = torch.where(copied, self.config.copy_weight, 1.0).to(device)
             hidden_targets = None
             if self.config.hidden_weight:
                 hidden_targets = final_hidden_for_blocks(item, anchors[0].cpu(), cfg.block_size)[:, :keep].to(device)
@@ -648,6 +670,7 @@ class Trainer:
                 logit_scale=self.logit_scale(step),
                 hidden_targets=hidden_targets,
                 hidden_weight=self.config.hidden_weight,
+                label_weights=label_weights,
             )
 
     def logit_scale(self, step: int) -> float:
@@ -797,7 +820,8 @@ class Trainer:
             return False
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
         # The average must cover the run from its step 0; one run has one objective (the recipe records one value).
-        for name, default in (("ema_decay", 0.0), ("loss_gamma", None), ("lr_schedule", "cosine")):
+        for name, default in (("ema_decay", 0.0), ("loss_gamma", None), ("lr_schedule", "cosine"),
+                              ("copy_weight", 1.0)):
             trained, asked = state["config"].get(name, default), getattr(self.config, name)
             if trained != asked:
                 raise ValueError(
