@@ -3,7 +3,7 @@
 # make finetune-smollm2-s29 S29_GAMMA=1. Each stage resumes where it stopped; data/ and runs/ are git-ignored.
 # The committed head's own lineage: README "Training" and heads/smollm2-135m-dflash2/training_recipe.json.
 
-.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 arm-smollm2-s39 long-smollm2-s40 cool-smollm2-s40 ablation-smollm2-s42
+.PHONY: store-smollm2 train-smollm2 finetune-smollm2 finetune-smollm2-6000 finetune-smollm2-code finetune-smollm2-code2 finetune-smollm2-s10 finetune-smollm2-s13 finetune-smollm2-s14 finetune-smollm2-s15 finetune-smollm2-s16 store-smollm2-s16-long finetune-smollm2-s17 ablation-smollm2 ablation-smollm2-s14 ablation-smollm2-s17 regenerate-smollm2 regenerate-smollm2-s20 store-smollm2-s21 grow-smollm2-s21 finetune-smollm2-s22 finetune-smollm2-s23 store-smollm2-s24 finetune-smollm2-s24 soup-smollm2-s25 regenerate-smollm2-s26 store-smollm2-s26 finetune-smollm2-s26 grow-smollm2-s26 store-smollm2-s28 finetune-smollm2-s28 control-smollm2-s28 finetune-smollm2-s29 regenerate-smollm2-s33 store-smollm2-s33 finetune-smollm2-s33 regenerate-smollm2-s34 store-smollm2-s34 finetune-smollm2-s34 arm-smollm2-s34 store-smollm2-s35 arm-smollm2-s35 soup-smollm2-s35 arm-smollm2-s38 regenerate-smollm2-s38 store-smollm2-s38 arm-smollm2-s39 long-smollm2-s40 cool-smollm2-s40 ablation-smollm2-s42 cool-copy-smollm2-s42
 
 # The committed SmolLM2-135M heads. (1) The feature/label store: the target runs once over ShareGPT's
 # own first exchanges (MT-Bench / HumanEval prompts removed), keeping its tapped layers and top-32
@@ -641,3 +641,20 @@ ablation-smollm2-s42: store-smollm2-s35
 	test -f $(ABLATION42_RUN)/checkpoint.pt || $(VENV)/bin/hf-dflash2 train $(ABLATION42_ARGS) --stop-after 1800
 	$(VENV)/bin/hf-dflash2 train $(subst --steps 7000,--steps 6000,$(ABLATION42_ARGS)) --resume
 	$(call export_run,$(ABLATION42_RUN))
+
+# Session 42: does a head that learns less of what the n-gram chain already drafts make the default loop faster?
+# The committed head's own cool-down (trunk step 14,129 + 1,500 steps, copy weight 1) is the control; this arm
+# repeats it from the same checkpoint (kept in S42_FROM) with --copy-weight S42_COPY: the same data order, seed
+# and schedule. The trainer refuses a resume under another objective, so the fork's checkpoint records the new
+# copy weight before it resumes. Then the default loop on equal text (ngram_hybrid.py) and held-out tau on
+# slices 0-3 (docs/results-log.md, Session 42).
+S42_FROM ?= runs/long_s40_trunk_14129
+S42_COPY ?= 0.25
+S42_RUN = runs/long_s40_cool14129_copy$(subst 0.,,$(S42_COPY))
+cool-copy-smollm2-s42: setup
+	test -f $(S42_RUN)/checkpoint.pt || (mkdir -p $(S42_RUN) && $(PY) -c "import torch; s = torch.load('$(S42_FROM)/checkpoint.pt', \
+		weights_only=False); s['config']['copy_weight'] = $(S42_COPY); torch.save(s, '$(S42_RUN)/checkpoint.pt')")
+	step=$$($(PY) -c "import torch; print(torch.load('$(S42_FROM)/checkpoint.pt', weights_only=False)['step'])") && \
+	$(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps $$((step + $(S40_COOL))),$(S40_ARGS)) \
+		--decay-steps $(S40_COOL) --copy-weight $(S42_COPY) --output $(S42_RUN)
+	$(PY) -m hf_dflash2.training.export $(S42_RUN) $(S42_RUN)/export

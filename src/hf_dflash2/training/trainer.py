@@ -270,7 +270,6 @@ def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int,
     return labels, predecessors, soft
 
 
-@torch.no_grad()
 def ngram_copied_positions(ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
                            ngram_size: int = DEFAULT_NGRAM_SIZE) -> torch.Tensor:
     """ids: [T] the sequence; anchors: [n]; labels: [n, B-1] (-100 past the end) -> [n, B-1] bool: the block
@@ -282,6 +281,7 @@ def ngram_copied_positions(ids: torch.Tensor, anchors: torch.Tensor, labels: tor
     return ((drafted == labels) & (labels >= 0) & (size[:, None] > 0)).long().cumprod(-1).bool()
 
 
+@torch.no_grad()
 def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     """Per-channel RMS [taps * H] of tapped target features, skipping each sequence's first position(s).
 
