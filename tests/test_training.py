@@ -933,10 +933,10 @@ def test_copy_weight_finds_the_positions_the_ngram_chain_gets_and_weights_only_t
     from hf_dflash2.training.losses import block_loss
     from hf_dflash2.training.trainer import ngram_copied_positions
 
-    # "5 6 7 8 9" occurs, then "5 6 7" again: from the anchor at the second 7 (index 8) the 3-gram match
-    # drafts 8 9 10 11 ...; the labels agree on 8 9, then differ, so only the first two are copies.
-    ids = torch.tensor([1, 5, 6, 7, 8, 9, 2, 6, 7, 8, 9, 3, 4, 4])
-    ids[6] = 5  # "5 6 7" at 6..8 repeats 1..3
+    # "5 6 7 8 9" at 1..5, then "5 6 7" again at 6..8: from the anchor at the second 7 (index 8) the 3-gram
+    # match drafts what followed the first one, 8 9 5 6; the labels agree on 8 9, then differ, so only the
+    # first two are copies.
+    ids = torch.tensor([1, 5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 3, 4, 4])
     anchors = torch.tensor([8, 2])
     labels = torch.tensor([[8, 9, 30, 31], [7, 8, 9, 2]])
     copied = ngram_copied_positions(ids, anchors, labels)
