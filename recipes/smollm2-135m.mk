@@ -633,7 +633,8 @@ arm-smollm2-s39: store-smollm2-s35
 # layers arm (runs/s39_layers: S39_ARGS, --init-layers-from-target last, --steps 7000 up to step 1,800, then
 # resumed with --steps 6000 to the end); the DFlash-1 arm replays exactly that: same data order, seed, steps and
 # schedule, two threads (the thread count changes speed, not the recipe). Phase one runs only in a fresh run
-# folder; run the target again to continue phase two. Then held-out tau of the pair on ABLATION42_SLICES.
+# folder; run the target again to continue phase two. Held-out tau of the pair is not part of the target: the
+# heldout_tau.py / heldout_slices.py commands on slices 0-5 are in docs/results-log.md, Session 42.
 ABLATION42_RUN := runs/s42_dflash1
 ABLATION42_ARGS = $(subst --threads 1,--threads 2,$(S39_ARGS)) $(S39_INIT_layers) --dflash1 --output $(ABLATION42_RUN)
 ablation-smollm2-s42: S39_STEPS = 7000
