@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from hf_dflash2.bench import rotated
+from hf_dflash2.charts import save_chart
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # Plain greedy for Transformers' generate, overriding sampling defaults a generation_config may carry.
@@ -90,7 +91,7 @@ def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, 
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -113,7 +114,7 @@ def chart_grouped(labels: list[str], series: dict[str, list[float]], ylabel: str
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # outside the bars
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 

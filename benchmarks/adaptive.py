@@ -33,6 +33,7 @@ from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
 from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
+from hf_dflash2.charts import save_chart  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
 from hf_dflash2.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
@@ -138,7 +139,7 @@ def chart(rows, b8, path: Path, dtype: str) -> None:
     ax.set_ylabel("speed / plain greedy (same dtype)")
     ax.set_title(f"SmolLM2-135M {dtype}, batch 1 (and 8), adaptive vs fixed")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 

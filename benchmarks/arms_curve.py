@@ -19,6 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, save, table  # noqa: E402
 
+from hf_dflash2.charts import save_chart  # noqa: E402
+
 SETS = ("humaneval", "mtbench")
 
 
@@ -102,7 +104,7 @@ def main() -> None:
     axes[0].set_ylabel(f"held-out tau ({args.head})")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{args.output}.png", dpi=100)
+    save_chart(fig, RESULTS / f"{args.output}.png", dpi=100)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from hf_dflash2.charts import save_chart
+
 SETS = ("humaneval", "mtbench")
 
 
@@ -152,7 +154,7 @@ def draw(summary: dict, path: Path) -> None:
     ax.set_ylim(1.0, None)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_chart(fig, path, dpi=120)
 
 
 def main() -> int:

@@ -37,6 +37,7 @@ from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts  # noqa: E402
 from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
+from hf_dflash2.charts import save_chart  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import linear_kernel_of  # noqa: E402
 from hf_dflash2.generation import prefill, verify  # noqa: E402
 from hf_dflash2.linear_kernels import use_linear_kernel  # noqa: E402
@@ -187,7 +188,7 @@ def draw(forwards: list[dict], batch1: list[dict], batch8: list[dict], path: Pat
     right.axvline(1.0, color="grey", lw=0.8)
     right.set(xlabel="speed over plain greedy on sdpa (same batch)", title="end to end")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_dflash2.charts import save_chart
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # name -> train flags that differ from the base arm. The base (this round's recipe, see README "Training"):
@@ -210,7 +212,7 @@ def write_results(report: dict, out: Path) -> None:
     ax.set_xlabel("held-out tau (fixed block, greedy)")
     ax.set_title(f"Recipe arms: equal block positions ({report['steps']} steps), same data and seed")
     fig.tight_layout()
-    fig.savefig(out / "recipe_arms.png", dpi=120)
+    save_chart(fig, out / "recipe_arms.png", dpi=120)
 
 
 def main() -> int:

@@ -30,6 +30,7 @@ from _common import RESULTS, save, table  # noqa: E402
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts  # noqa: E402
 from hf_dflash2.bench import rotated  # noqa: E402
+from hf_dflash2.charts import save_chart  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
 
@@ -94,7 +95,7 @@ def chart(results: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M sampling, batch 1: one chain vs draft trees")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from hf_dflash2.charts import save_chart
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -69,7 +71,7 @@ def draw(points: list[dict], title: str, path: Path, extra: dict[str, list[dict]
     ax.set_title("Held-out tau against training compute")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_chart(fig, path, dpi=120)
 
 
 def main() -> int:

@@ -36,6 +36,7 @@ from _common import RESULTS, interleaved, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
+from hf_dflash2.charts import save_chart  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, load_or_measure_cost_model  # noqa: E402
 from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
@@ -207,7 +208,7 @@ def chart(rows: list[dict], path: Path) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 

@@ -56,3 +56,33 @@ def test_refuses_a_file_that_is_not_a_png_and_touches_nothing(tmp_path):
     assert result.returncode != 0
     assert "notes.txt" in result.stderr
     assert good.stat().st_size == size  # checked before any file is rewritten
+
+
+def test_save_chart_writes_a_palette_png_of_the_same_picture(tmp_path):
+    from hf_dflash2.charts import save_chart
+
+    plain, palette = tmp_path / "plain.png", tmp_path / "palette.png"
+    fig, ax = plt.subplots(figsize=(5, 3))
+    ax.bar(["a", "b", "c"], [1.0, 2.5, 1.7], color=["#1f77b4", "#ff7f0e", "#2ca02c"])
+    fig.savefig(plain, dpi=110)
+    save_chart(fig, palette, dpi=110)
+    plt.close(fig)
+    with Image.open(plain) as a, Image.open(palette) as b:
+        assert b.mode == "P"
+        before, after = np.asarray(a.convert("RGB")).astype(int), np.asarray(b.convert("RGB")).astype(int)
+    assert after.shape == before.shape
+    assert (np.abs(after - before).sum(-1) == 0).mean() > 0.95
+    assert palette.stat().st_size < plain.stat().st_size
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_save_chart_refuses_a_path_that_is_not_png(tmp_path):
+    import pytest
+
+    from hf_dflash2.charts import save_chart
+
+    fig, _ = plt.subplots()
+    with pytest.raises(ValueError, match="chart.jpg"):
+        save_chart(fig, tmp_path / "chart.jpg")
+    plt.close(fig)
+    assert not list(tmp_path.iterdir())

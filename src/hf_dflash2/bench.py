@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .charts import save_chart
 from .hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
 from .linear_kernels import linear_kernel_of
 from .prompts import (
@@ -387,7 +388,7 @@ def draw_chart(report: dict, path: Path) -> None:
     axes[1].legend(fontsize=8)
     fig.suptitle(f"SmolLM2-135M-Instruct, batch {report['settings']['batch_size']}, T={report['settings']['temperature']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_chart(fig, path, dpi=110)
     plt.close(fig)
 
 
