@@ -86,3 +86,17 @@ def test_save_chart_refuses_a_path_that_is_not_png(tmp_path):
         save_chart(fig, tmp_path / "chart.jpg")
     plt.close(fig)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_bench_chart_is_a_palette_png(tmp_path):
+    from hf_dflash2.bench import draw_chart
+
+    report = {
+        "settings": {"batch_size": 1, "temperature": 0.0},
+        "datasets": {name: {"ar": {"tau": None, "speedup_vs_ar": 1.0}, "dflash2": {"tau": 3.1, "speedup_vs_ar": 1.9}}
+                     for name in ("humaneval", "mtbench")},
+    }
+    draw_chart(report, tmp_path / "bench.png")
+    with Image.open(tmp_path / "bench.png") as image:
+        assert image.mode == "P"
+        assert image.size[0] > 500
