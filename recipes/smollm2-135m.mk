@@ -601,7 +601,7 @@ long-smollm2-s40: store-smollm2-s38
 
 cool-smollm2-s40: setup
 	mkdir -p runs && copy=$$(mktemp -p runs .cool_s40.XXXXXX) && cp $(S40_TRUNK)/checkpoint.pt $$copy && \
-	step=$$($(PY) -c "import torch; print(torch.load('$$copy', weights_only=False)['step'])") && \
+	step=$$($(PY) -c "import torch; print(torch.load('$$copy', weights_only=False, mmap=True)['step'])") && \
 	out=runs/long_s40_cool$$step && mkdir -p $$out && mv $$copy $$out/checkpoint.pt && \
 	$(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps $$((step + $(S40_COOL))),$(S40_ARGS)) \
 		--decay-steps $(S40_COOL) --output $$out && \
@@ -655,7 +655,7 @@ S42_RUN = runs/long_s40_cool14129_copy$(subst 0.,,$(S42_COPY))
 cool-copy-smollm2-s42: setup
 	test -f $(S42_RUN)/checkpoint.pt || (mkdir -p $(S42_RUN) && $(PY) -c "import torch; s = torch.load('$(S42_FROM)/checkpoint.pt', \
 		weights_only=False); s['config']['copy_weight'] = $(S42_COPY); torch.save(s, '$(S42_RUN)/checkpoint.pt')")
-	step=$$($(PY) -c "import torch; print(torch.load('$(S42_FROM)/checkpoint.pt', weights_only=False)['step'])") && \
+	step=$$($(PY) -c "import torch; print(torch.load('$(S42_FROM)/checkpoint.pt', weights_only=False, mmap=True)['step'])") && \
 	$(VENV)/bin/hf-dflash2 train $(subst --steps 1000000,--steps $$((step + $(S40_COOL))),$(S40_ARGS)) \
 		--decay-steps $(S40_COOL) --copy-weight $(S42_COPY) --output $(S42_RUN)
 	$(PY) -m hf_dflash2.training.export $(S42_RUN) $(S42_RUN)/export
