@@ -590,6 +590,8 @@ store-smollm2-s38: regenerate-smollm2-s38
 # draws the trunk's curve (`python benchmarks/tau_curve.py runs/long_s40_trunk`).
 # Session 41: the cool-down of trunk step 14,129 (14,129 steps in two calls, ~145 minutes, then `make cool-smollm2-s40`;
 # runs/long_s40_cool14129/export, last weights) is the committed head heads/smollm2-135m-dflash2.
+# Session 43: `make long-smollm2-s40 S40_MINUTES=92` (to step 21,882), then `make cool-smollm2-s40 S40_COOL=2000`:
+# a tie with the committed head on held-out tau (docs/results-log.md, Session 43), not adopted.
 S40_TRUNK := runs/long_s40_trunk
 S40_MINUTES ?= 150
 S40_COOL ?= 1500
