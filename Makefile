@@ -33,8 +33,13 @@ test-fast: setup lint
 lint: setup
 	$(VENV)/bin/ruff check src tests benchmarks examples
 
+# Results go to benchmarks/results/<this CPU's kind>/ (amx, avx512bf16_zen4, avx2, ...; docs/benchmarks.md), where a
+# rerun replaces the previous one (git keeps the history).
+CPU_KIND = $(shell $(PY) benchmarks/_common.py)
+
 bench: setup
-	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3
+	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3 \
+		--output benchmarks/results/$(CPU_KIND)
 
 # The same prompts in fp32, where every greedy method's text equals plain greedy's, so that methods are ranked
 # on equal text (in bf16 texts part at near-ties; see the bench's "text = AR's" column). Transformers' native
@@ -42,21 +47,25 @@ bench: setup
 bench-fp32: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 \
 		--repeats 3 --mixed-precision fp32 --methods ar,dflash2_generate,dflash2_fast,dflash2_fast_head,dflash1_fast,prompt_lookup \
-		--output benchmarks/results/bench_fp32
+		--output benchmarks/results/$(CPU_KIND)/bench_fp32
 
 # The loop on an accelerator (<= 5 min): greedy identity, sampling law, tok/s in bf16, compiled draft pass.
 # On a GPU machine: make setup TORCH_SPEC=torch, then make gpu-check; CI runs it with --device cpu --tiny.
 gpu-check: setup
 	$(PY) scripts/gpu_check.py --device cuda --dtype bf16
 
+# Draft latency, round cost and training throughput (the goals they check: docs/benchmarks.md, with every other benchmark).
 benchmarks: setup
-	$(PY) benchmarks/draft_latency.py
-	$(PY) benchmarks/round_cost.py
-	$(PY) benchmarks/training_throughput.py
+	$(PY) benchmarks/cost/draft_latency.py
+	$(PY) benchmarks/cost/round_cost.py
+	$(PY) benchmarks/training/training_throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
 
-# How each SmolLM2-135M head was made, session by session (stores, training runs, fine-tunes, ablations), so that
-# every result in docs/results-log.md can be rerun by its target name from here: make finetune-smollm2-s29.
-include recipes/smollm2-135m.mk
+# The SmolLM2-135M heads from their recipes (recipes/*.yaml; how they were found: docs/training.md). A recipe's
+# header lists every command that makes its head (regenerate, store, train --config, export) on the lines that
+# start with "# $ "; `make recipe-NAME` runs them in order, e.g. make recipe-smollm2-135m-dflash2. Every stage
+# resumes where it stopped: run it again to continue.
+recipe-%: setup recipes/%.yaml
+	sed -n 's/^# \$$ //p' recipes/$*.yaml | PATH="$(abspath $(VENV))/bin:$$PATH" sh -ex

@@ -1,4 +1,10 @@
-"""Helpers shared by the benchmark scripts: interleaved timing, medians, JSON + table output."""
+"""Helpers shared by the benchmark scripts: interleaved timing, medians, JSON + table output.
+
+Every script imports this module by putting ``benchmarks/`` on ``sys.path`` (the scripts live one folder down,
+in ``speed/``, ``cost/`` and ``training/``), and writes its results to ``benchmarks/results/<cpu kind>/``: one
+folder per kind of CPU, where a rerun replaces the previous result of the same benchmark and settings (git
+keeps the history). See docs/benchmarks.md. ``python benchmarks/_common.py`` prints this CPU's kind (the
+Makefile's result folder); torch and this package are imported only where a helper needs them, so that is quick."""
 
 from __future__ import annotations
 
@@ -8,27 +14,24 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
-from hf_dflash2.bench import rotated
-from hf_dflash2.charts import save_chart
-
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCHMARKS = Path(__file__).resolve().parent
+REPO = BENCHMARKS.parent
+RESULTS_ROOT = BENCHMARKS / "results"
 # Plain greedy for Transformers' generate, overriding sampling defaults a generation_config may carry.
 GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 
 def cpu_kind() -> str:
-    """A short name for this CPU's fastest bf16 path, for result file names: "amx", "avx512bf16" (AMD:
-    "avx512bf16_zen4" / "_zen5") or "avx2"
-    (this project's machines change kind between sessions, and results of one kind must not overwrite
-    another's)."""
+    """A short name for this CPU's fastest bf16 path, the folder of its results: "amx", "avx512bf16" (AMD:
+    "avx512bf16_zen4" / "_zen5"), "avx512" (AVX-512 without bf16) or "avx2" (this project's machines change
+    kind between sessions, and results of one kind must not overwrite another's)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.machine()
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    kind = "amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags else "avx2"
+    kind = ("amx" if "amx_bf16" in flags else "avx512bf16" if "avx512_bf16" in flags
+            else "avx512" if "avx512f" in flags else "avx2")
     if kind == "avx512bf16":  # AMD Zen 4 (family 25) and Zen 5 (26) share the flags, not the speed
         family = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("cpu family")),
                       "")
@@ -37,6 +40,8 @@ def cpu_kind() -> str:
 
 
 def machine() -> dict:
+    import torch
+
     from hf_dflash2.cost_model_dflash2 import _device_name
 
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
@@ -47,6 +52,8 @@ def machine() -> dict:
 def interleaved(candidates: dict, repeats: int, warmup: int = 1) -> dict:
     """Median seconds of each callable, timed round-robin so drift hits all of them alike; the order is
     rotated every repeat, so that no callable always runs right after the same other one."""
+    from hf_dflash2.bench import rotated
+
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
@@ -60,9 +67,18 @@ def interleaved(candidates: dict, repeats: int, warmup: int = 1) -> dict:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def results_dir() -> Path:
+    """``benchmarks/results/<cpu kind>/``, created if missing: where this machine's results go."""
+    path = RESULTS_ROOT / cpu_kind()
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def save(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    """Writes ``results_dir() / name.json``: the payload with this machine's description."""
+    if Path(name).name != name:
+        raise ValueError(f"a result's name is a file stem under {RESULTS_ROOT}/<cpu kind>/, not a path: {name!r}")
+    path = results_dir() / f"{name}.json"
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=1) + "\n")
     return path
 
@@ -85,6 +101,8 @@ def chart_bars(labels: list[str], values: list[float], ylabel: str, title: str, 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hf_dflash2.charts import save_chart
+
     fig, ax = plt.subplots(figsize=(max(5, len(labels) * 1.1), 3.4))
     ax.bar(range(len(values)), values, color="#2a7")
     ax.set_xticks(range(len(labels)), labels, fontsize=7, rotation=20)
@@ -102,6 +120,8 @@ def chart_grouped(labels: list[str], series: dict[str, list[float]], ylabel: str
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from hf_dflash2.charts import save_chart
 
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6, len(labels) * 0.3 * (len(series) + 1)) + 2.5, 3.6))  # + the legend
@@ -153,3 +173,7 @@ def drafting_every_position(target, tokenizer, head, prompt: str, new_tokens: in
     finally:
         head.draft_block = draft_block
     return out.sequences[0].tolist()
+
+
+if __name__ == "__main__":
+    print(cpu_kind())

@@ -1,6 +1,6 @@
 """Store charts as 256-colour palette PNGs, to keep the tracked tree under the 64 MiB a device call carries.
 
-    python benchmarks/shrink_pngs.py benchmarks/results/some_chart.png [...]
+    python benchmarks/shrink_pngs.py benchmarks/results/<cpu kind>/some_chart.png [...]
 
 Charts the benchmarks write today are palette PNGs already (`hf_dflash2.charts.save_chart`); this rewrites
 older ones. A file already in palette mode is left alone, and another is rewritten only when the palette

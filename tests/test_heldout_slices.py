@@ -1,4 +1,4 @@
-"""benchmarks/heldout_slices.py: pooling held-out tau over prompt slices, and refusing reports that disagree."""
+"""benchmarks/training/heldout_slices.py: held-out tau pooled over prompt slices; reports that disagree refused."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from .conftest import REPO
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("heldout_slices", REPO / "benchmarks" / "heldout_slices.py")
+    path = REPO / "benchmarks" / "training" / "heldout_slices.py"
+    spec = importlib.util.spec_from_file_location("heldout_slices", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _report(path, slice_, cells):
-    command = "python benchmarks/heldout_tau.py A B" + (f" --prompt-slice {slice_}" if slice_ else "")
+    command = "python benchmarks/training/heldout_tau.py A B" + (f" --prompt-slice {slice_}" if slice_ else "")
     results = {
         head: {s: {"tau": c / r, "rounds": r, "committed": c} for s, (r, c) in zip(("humaneval", "mtbench"), pair)}
         for head, pair in cells.items()

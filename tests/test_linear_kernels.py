@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 
 from hf_dflash2 import cost_model_dflash2 as cm
+from hf_dflash2 import kernels_dflash2 as kd
 from hf_dflash2 import linear_kernels as lk
 from hf_dflash2 import speculative_generate
 from hf_dflash2.settings import BenchSettings, DemoSettings
 
 from .conftest import tiny_drafter, tiny_target
 
-pytestmark = pytest.mark.skipif(not lk._onednn_available(), reason="this torch build has no oneDNN")
+pytestmark = pytest.mark.skipif(not lk.onednn_available(), reason="this torch build has no oneDNN")
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +100,7 @@ def test_auto_packs_only_when_the_probe_says_onednn_is_clearly_faster(caplog):
 def test_the_probe_is_cached_per_machine_and_a_bad_cache_is_ignored(monkeypatch, caplog):
     target = tiny_target(layers=2)
     calls = []
-    monkeypatch.setattr(lk, "time_onednn_speedup", lambda model, rows: calls.append(rows) or 1.7)
+    monkeypatch.setattr(kd, "time_onednn_speedup", lambda model, rows: calls.append(rows) or 1.7)
     assert lk.onednn_speedup(target) == 1.7 and lk.onednn_speedup(target) == 1.7 and len(calls) == 1
     path = cm.cost_cache_dir() / "linear_kernel.json"
     assert list(json.loads(path.read_text()).values()) == [{"speedup": 1.7}]

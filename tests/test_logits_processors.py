@@ -313,7 +313,7 @@ def test_a_draft_vocabulary_the_processors_ban_entirely_still_drafts(target):
 
 
 def test_heads_whose_draft_block_predates_the_hook_still_decode(target):
-    """Remote code saved before session 31 has no ``logits_processor`` in ``draft_block``: with a processor
+    """Remote code saved by 0.1.0 may have no ``logits_processor`` in ``draft_block``: with a processor
     on, such a head drafts without it (the output is the target's either way) instead of a TypeError."""
     from hf_dflash2 import DFlash2DraftModel
 

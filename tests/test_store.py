@@ -282,7 +282,7 @@ def test_precision_probe_cache_is_used_and_a_bad_file_is_ignored(monkeypatch, tm
 
 
 def test_decode_precision_has_its_own_probe_and_cache_entry(monkeypatch, tmp_path):
-    """A CPU whose bf16 is fast for training-sized products but slow for one-row decode steps (session 6's)
+    """A CPU whose bf16 is fast for training-sized products but slow for one-row decode steps (an AMX Xeon was one)
     trains in bf16 and decodes in fp32; each verdict is cached under its own key."""
     monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path))
     monkeypatch.setattr(precision, "_cpu_has_bf16_flags", lambda: None)

@@ -1,4 +1,4 @@
-"""What a Transformers user does routinely with a model and an assistant, each found broken in session 30's
+"""What a Transformers user does routinely with a model and an assistant, each found broken in 0.1.0 by an
 audit: every layer's hidden states from generate, loading info, subfolders, sharded heads, the embedding
 accessors, copies, padding side, and the same text from the same seed."""
 

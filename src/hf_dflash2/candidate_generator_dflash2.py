@@ -15,12 +15,14 @@ from __future__ import annotations
 import inspect
 import sys
 import warnings
+import weakref
 from typing import Any
 
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from .cost_model_dflash2 import verify_policy_for
+from .kernels_dflash2 import ForwardKernels
 from .speculative_dflash2 import (
     DEFAULT_NGRAM_SIZE,
     DraftContext,
@@ -79,6 +81,11 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.do_sample = bool(generation_config.do_sample)
         self.temperature = float(generation_config.temperature or 1.0) if self.do_sample else 0.0
         self.logits_processor = logits_processor
+        # The kernel of each target forward and draft pass, by its width, for as long as this generate call
+        # holds the generator (Transformers drops it when the call returns; the layers are then restored).
+        kernels = ForwardKernels(target, drafter, 1, self.block_size, getattr(drafter, "linear_kernel", "auto"))
+        weakref.finalize(self, kernels.__exit__, None, None, None)
+        kernels.__enter__()
         self.policy = verify_policy_for(
             target, drafter, 1, self.block_size, getattr(drafter, "adaptive_verify", True),
             getattr(drafter, "verify_policy", None), getattr(drafter, "verify_cost_model", None),
@@ -114,6 +121,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
                 self.stop_criteria = StopStringCriteria(tokenizer, generation_config.stop_strings)
         self.context = DraftContext(drafter, 1, self.max_length + self.block_size, drafter.device)
         self.stats = SpeculativeStats(self.block_size)
+        cost = getattr(self.policy, "cost", None)
+        self.stats.costs = cost.as_dict() if hasattr(cost, "as_dict") else None
         self.draft, self.verified_last = None, 0
         drafter.last_speculative_stats = self.stats
 
@@ -155,6 +164,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
                 self.drafter, self.policy, self.context, anchor, anchor_pos, self.block_size, self.temperature,
                 None, self.ngram_size, history, torch.tensor([cur_len], device=device),
             )
+        self.stats.draft_passes += head_drafted
         if draft is None:
             return input_ids, None
         # Capped before the policy hears it: it times each round against the verify it was told of.
@@ -188,6 +198,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         confidence, source = (None, None) if draft is None else (draft.confidence, draft.source)
         self.policy.observe(confidence, self.verified_last, accepted, source)
         self.stats.record(accepted, accepted + 1, verified=self.verified_last, source=source)
+        self.stats.verify_forwards += 1
 
 
 def candidate_generator_for(drafter, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None,

@@ -1,4 +1,4 @@
-"""The ``hf-dflash2`` command: regenerate, store, train, bench, demo, card, push.
+"""The ``hf-dflash2`` command: regenerate, store, train, distill, bench, demo, card, push.
 
 Each subcommand lives in its own module, which adds its parser with ``register(subparsers)``.
 """
@@ -11,6 +11,7 @@ import sys
 
 from . import bench, demo, push_cli
 from .training import commands as training_commands
+from .training import distill
 
 logger = logging.getLogger("hf_dflash2")
 
@@ -18,7 +19,7 @@ logger = logging.getLogger("hf_dflash2")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dflash2", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (training_commands, bench, demo, push_cli):
+    for module in (training_commands, distill, bench, demo, push_cli):
         module.register(subparsers)
     return parser
 

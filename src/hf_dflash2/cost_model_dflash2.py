@@ -133,7 +133,11 @@ def _device_name(device: torch.device) -> str:
 
 def linear_kernel_of(model) -> str:
     """The kernel ``model``'s linear layers run on: "onednn" when some layer's forward was packed by
-    ``hf_dflash2.linear_kernels`` (it marks its forwards with ``kernel``), else "default"."""
+    ``hf_dflash2.linear_kernels`` (it marks its forwards with ``kernel``), else "default"; during a generation
+    call that chooses the kernel per forward (``kernels_dflash2.ForwardKernels``), that call's choices."""
+    per_forward = model.__dict__.get("_dflash2_forward_kernels")
+    if per_forward is not None:
+        return per_forward
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and getattr(module.__dict__.get("forward"), "kernel", None):
             return module.__dict__["forward"].kernel

@@ -112,10 +112,10 @@ def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> He
 
     The selector's softmax spreads over its K candidates only, so a position whose candidates hold little
     of the unary probability looks surer than it is. ``top_k_mass`` (default) ranks by each selector step
-    weighed by the unary mass its K candidates hold (``benchmarks/tree_shapes.py``, session 15: 0.01-0.07
+    weighed by the unary mass its K candidates hold (``benchmarks/speed/tree_shapes.py``: 0.01-0.07
     more tokens per round at every tree size on both prompt sets). The nodes' ``logp`` stay the
     selector's own path probabilities: the planner's calibration is fitted to them, and giving it the
-    weighed ones made it plan smaller trees that lost on MT-Bench (``ngram_hybrid_s15_mass_in_planner.md``)."""
+    weighed ones made it plan smaller trees that lost on MT-Bench (measured with ``ngram_hybrid.py``)."""
     if draft.pair_scores is None:
         logp, top = draft.logits.float().log_softmax(-1).topk(min(TREE_TOP_K, draft.logits.shape[-1]), dim=-1)
         ids = top if drafter.draft_vocab is None else drafter.draft_vocab.to(top.device)[top]

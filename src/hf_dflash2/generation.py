@@ -47,6 +47,7 @@ from .draft_tree import (
     supports_trees,
     tree_attention_mask,
 )
+from .kernels_dflash2 import ForwardKernels
 from .speculative_dflash2 import (
     DEFAULT_NGRAM_SIZE,
     DraftContext,
@@ -763,6 +764,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
         draft, head_drafted = propose(drafter, policy, context, rows.anchor, rows.anchor_pos, block_size,
                                       draft_temperature, sampler.generator, ngram_size, history, length,
                                       rank_nodes, processors.for_drafts(output, rows) if draft_hook else None)
+        stats.draft_passes += head_drafted
         tree_round = trees and head_drafted
         with record_function("dflash2::plan"):
             if tree_round:  # (m, kg): the head's m likeliest continuations and the n-gram's first kg drafts
@@ -787,6 +789,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: _Row
             torch.where(rows.finished, 0, room).max()]).tolist()
         if not any_running:
             return
+        stats.verify_forwards += 1
         # a tree's m counts its nodes, not their depth: the tree is kept unless no row has room
         k, k_ngram = min(k, most_room) if not tree_round or most_room == 0 else k, min(k_ngram, most_room)
         policy.room = most_room
@@ -903,6 +906,7 @@ def speculative_generate(
     stopping_criteria: StoppingCriteriaList | None = None,
     prefix_allowed_tokens_fn: Callable[[int, torch.Tensor], list[int]] | None = None,
     packed_attention: bool = True,
+    linear_kernel: str | None = "auto",
     **generation_kwargs,
 ) -> SpeculativeOutput:
     """Generate with the target, drafted by a dFlash 2 / DFlash 1 head. Output equals the target's own.
@@ -947,6 +951,10 @@ def speculative_generate(
     ``packed_attention`` (default): a target on ``sdpa`` with grouped-query attention runs
     ``attention.packed_gqa_sdpa`` during the call (the same attention without copying keys and values per
     query head; its cost model is measured and cached under it), and is put back on ``sdpa`` after.
+    ``linear_kernel`` (CPU): "auto" (default) runs each forward's linear layers on the kernel measured
+    fastest for its width (PyTorch's default or oneDNN with packed weights: the plain step, the verify and
+    the draft pass each on their own; ``kernels_dflash2.ForwardKernels``), "default" / "onednn" one kernel
+    for every forward, None the model as loaded. The layers are put back as they were when the call returns.
     """
     check_ngram_size(ngram_size)
     check_input_ids(input_ids)
@@ -1006,7 +1014,8 @@ def speculative_generate(
     # the processors in force change which drafts pass: calls under other processors calibrate apart
     settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
                     tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
-    with packed_gqa_attention(target, packed_attention):
+    kernels = ForwardKernels(target, drafter, n_rows, block_size, linear_kernel)
+    with packed_gqa_attention(target, packed_attention), kernels:
         running_attention = target.config._attn_implementation
         if cost_model is not None and cost_model.key.get("attention", running_attention) != running_attention:
             warnings.warn(f"cost_model was measured under {cost_model.key['attention']!r} attention, the call runs "
@@ -1014,6 +1023,7 @@ def speculative_generate(
                           stacklevel=2)
         policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
                                    reproducible=do_sample, settings_key=settings_key)
+        stats.costs = policy.cost.as_dict() if isinstance(getattr(policy, "cost", None), CostModel) else None
 
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)

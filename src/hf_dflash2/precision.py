@@ -22,16 +22,14 @@ verify costs 2.3 plain steps), while bf16 through oneDNN is the fastest plain st
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from .cost_model_dflash2 import _device_name, cost_cache_dir
+from .cost_model_dflash2 import cost_cache_dir
+from .kernels_dflash2 import cached_speedup, cached_speedups, cpu_key  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +99,8 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
     interleaved so drift hits all alike. Each dtype runs on its faster kernel among ``kernels`` ("default":
     ``F.linear``; "onednn": packed weights, taken when ``ONEDNN_MIN_SPEEDUP`` faster over all ``rows``, as
     ``use_linear_kernel`` decides); a dtype no allowed kernel can run counts as infinitely slow."""
-    from .linear_kernels import ONEDNN_MIN_SPEEDUP, onednn_linear  # imported here: linear_kernels imports us
+    from .kernels_dflash2 import onednn_linear
+    from .linear_kernels import ONEDNN_MIN_SPEEDUP
 
     dtypes = (torch.float32, torch.bfloat16)
     pairs = [(dtype, kernel) for dtype in dtypes for kernel in kernels]
@@ -152,50 +151,6 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
 def decode_bf16_is_faster(speedups: list[float]) -> bool:
     """The decode rule over ``time_decode_speedups``' (one row, verify rows) figures."""
     return speedups[0] >= BF16_MIN_STEP_SPEEDUP and min(speedups[1:], default=0.0) >= BF16_MIN_SPEEDUP
-
-
-def cpu_key() -> str:
-    """What a CPU probe's verdict depends on beyond its workload: the CPU model, torch and the threads."""
-    return f"{_device_name(torch.device('cpu'))} | torch {torch.__version__} | threads {torch.get_num_threads()}"
-
-
-def cached_speedups(path: Path, key: str, measure: Callable[[], list[float]], what: str,
-                    use_cache: bool = True) -> list[float]:
-    """The figures stored under ``key`` in the JSON file ``path``, else ``measure()``, stored there (written
-    whole to a temporary file, then renamed). A file that cannot be read or parsed is ignored with a
-    warning naming ``what``, measured again and rewritten; an entry that is not a list of non-negative
-    numbers is measured again."""
-    cache: dict = {}
-    if use_cache and path.exists():
-        try:
-            cache = json.loads(path.read_text())
-            if not isinstance(cache, dict):
-                raise ValueError("not a JSON object")
-        except (OSError, ValueError) as error:
-            logger.warning("ignoring unreadable %s cache %s (%s)", what, path, error)
-            cache = {}
-        entry = cache.get(key)
-        figures = entry.get("speedups", [entry.get("speedup")]) if isinstance(entry, dict) else None
-        if (isinstance(figures, list) and figures
-                and all(isinstance(f, (int, float)) and not isinstance(f, bool) and f >= 0 for f in figures)):
-            return [float(f) for f in figures]
-    figures = [float(f) for f in measure()]
-    if use_cache:
-        cache[key] = {"speedup": round(figures[0], 3)} if len(figures) == 1 else {
-            "speedups": [round(f, 3) for f in figures]}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            os.replace(tmp, path)
-        except OSError as error:
-            logger.warning("could not cache the %s probe at %s (%s)", what, path, error)
-    return figures
-
-
-def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str, use_cache: bool = True) -> float:
-    """``cached_speedups`` for one figure."""
-    return cached_speedups(path, key, lambda: [measure()], what, use_cache)[0]
 
 
 def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=None,
@@ -263,19 +218,17 @@ def resolve_dtype(choice: str, device: torch.device | str | None = None, probe=N
 
 def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None, linear_kernel: str = "auto"):
     """Demo and bench: the target (and tokenizer) in the dtype ``choice`` resolves to for batch-1 decoding,
-    its linear layers on ``linear_kernel`` (``hf_dflash2.linear_kernels``; heads loaded with
-    ``prompts.load_head`` follow the target's). ``auto`` loads in fp32, probes with the loaded model's own
-    shapes, each dtype on the kernels ``linear_kernel`` allows, and casts to bf16 if that wins."""
+    its linear layers on PyTorch's default kernel, as a user loads it (the generation calls choose kernels per
+    forward themselves, and the bench times plain greedy on each). ``auto`` loads in fp32, probes with the
+    loaded model's own shapes, each dtype on the kernels ``linear_kernel`` allows, and casts to bf16 if that
+    wins."""
     from .assets import load_target
-    from .linear_kernels import check_linear_kernel, decode_probe_kernels, use_linear_kernel
+    from .linear_kernels import check_linear_kernel, decode_probe_kernels
 
     check_linear_kernel(linear_kernel)
     if choice != "auto":
-        target, tokenizer = load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
-    else:
-        target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
-        dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config,
-                              kernels=decode_probe_kernels(linear_kernel))
-        target = target.to(dtype)
-    use_linear_kernel(target, linear_kernel)
-    return target, tokenizer
+        return load_target(name_or_path, gguf_file, dtype=resolve_dtype(choice, workload="decode"))
+    target, tokenizer = load_target(name_or_path, gguf_file, dtype=torch.float32)
+    dtype = resolve_dtype(choice, next(target.parameters()).device, workload="decode", config=target.config,
+                          kernels=decode_probe_kernels(linear_kernel))
+    return target.to(dtype), tokenizer

@@ -11,8 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-BENCH_METHODS = ("ar", "dflash2_generate", "dflash2_fast", "dflash2_fast_head", "dflash1_fast", "prompt_lookup",
-                 "native_dflash")
+BENCH_METHODS = ("ar", "ar_onednn", "dflash2_generate", "dflash2_fast", "dflash2_fast_head", "dflash1_fast",
+                 "prompt_lookup", "native_dflash", "zlab_reference")
 
 
 class InvalidSamplingError(ValueError):
@@ -44,8 +44,9 @@ PRECISION_HELP_DECODE = ("auto: bf16 where a bf16 linear layer at 1 and at 8 row
                          "clearly faster than fp32 here, else fp32; or bf16 / fp32")
 
 
-LINEAR_KERNEL_HELP = ("auto: oneDNN with packed weights where it is clearly faster than PyTorch's default over "
-                      "this model's linear layers at 1 and 16 rows, else the default; or onednn / default")
+LINEAR_KERNEL_HELP = ("the speculative loops' linear kernel: auto picks PyTorch's default or oneDNN with packed "
+                      "weights per forward, by its width (measured once, cached); or onednn / default for every "
+                      "forward. Plain greedy is timed on both kernels and the faster is the baseline")
 
 
 def validate_linear_kernel(value: str) -> None:
@@ -75,7 +76,7 @@ class BenchSettings(SamplingSettings):
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto",
                                  metadata={"help": PRECISION_HELP_DECODE + " (every method, same dtype)"})
-    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP + " (every method, same kernel)"})
+    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP})
     seed: int = 0
     repeats: int = field(default=1, metadata={
         "help": "runs of every method on every prompt, interleaved; per prompt the median run (by s/token) counts"})
@@ -102,7 +103,7 @@ class DemoSettings(SamplingSettings):
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})
     mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP_DECODE + " (both runs, same dtype)"})
-    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP + " (both runs, same kernel)"})
+    linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP})
     repeats: int = field(default=3, metadata={"help": "timed runs of each side, interleaved; the median run counts"})
 
     def __post_init__(self):
@@ -133,8 +134,13 @@ def _argument_type(field_type: str):
     return str
 
 
-def add_arguments(parser: argparse.ArgumentParser, settings_class, skip: tuple[str, ...] = ()) -> None:
-    """One ``--flag`` per dataclass field, with the field's default, type and help."""
+def add_arguments(parser: argparse.ArgumentParser, settings_class, skip: tuple[str, ...] = (),
+                  suppress_defaults: bool = False) -> None:
+    """One ``--flag`` per dataclass field, with the field's default, type and help.
+
+    A ``bool`` field is a switch (``store_true``); ``metadata`` may give ``choices`` and a ``type`` (a parsing
+    function). ``suppress_defaults``: a flag not given leaves no attribute, so that the caller can tell it
+    from one given with the default's value (a settings file under the command line)."""
     for item in dataclasses.fields(settings_class):
         if item.name in skip:
             continue
@@ -142,7 +148,14 @@ def add_arguments(parser: argparse.ArgumentParser, settings_class, skip: tuple[s
         help_text = item.metadata.get("help", "")
         if "default" not in help_text:
             help_text = f"{help_text} (default: {item.default})" if help_text else f"default: {item.default}"
-        parser.add_argument(flag, type=_argument_type(str(item.type)), default=item.default, help=help_text)
+        options = {"default": argparse.SUPPRESS if suppress_defaults else item.default, "help": help_text}
+        if item.type in (bool, "bool"):
+            options["action"] = "store_true"
+        else:
+            options["type"] = item.metadata.get("type") or _argument_type(str(item.type))
+            if "choices" in item.metadata:
+                options["choices"] = item.metadata["choices"]
+        parser.add_argument(flag, **options)
 
 
 def from_args(settings_class, args: argparse.Namespace):

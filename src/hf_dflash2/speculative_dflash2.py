@@ -431,6 +431,9 @@ class SpeculativeStats:
         self._joint = None  # [B, B] rounds by (drafts verified, drafts accepted)
         self._committed = None
         self._ngram = None  # [3]: rows x rounds that verified n-gram drafts, drafts of theirs accepted, tree rounds
+        self.draft_passes = 0  # forwards of the head (one per round that drafted, whatever the batch)
+        self.verify_forwards = 0  # forwards of the target after the prefill (a plain step is one too)
+        self.costs: dict | None = None  # the adaptive policy's cost model (seconds per verify width, per draft)
 
     def record(
         self,
@@ -536,6 +539,8 @@ class SpeculativeStats:
                 self._joint += other._joint.to(self._joint.device)
                 self._committed += other._committed.to(self._committed.device)
                 self._ngram += other._ngram.to(self._ngram.device)
+        self.draft_passes += other.draft_passes
+        self.verify_forwards += other.verify_forwards
         return self
 
     def as_dict(self) -> dict:
@@ -552,11 +557,14 @@ class SpeculativeStats:
             "ngram_rounds": self.ngram_rounds,
             "ngram_accepted": self.ngram_accepted,
             "tree_rounds": self.tree_rounds,
+            "draft_passes": self.draft_passes,
+            "verify_forwards": self.verify_forwards,
+            **({"costs": {k: self.costs[k] for k in ("verify_seconds", "draft_seconds")}} if self.costs else {}),
         }
 
     def __repr__(self) -> str:
         return (
             f"SpeculativeStats(tau={self.acceptance_length:.3f}, rounds={self.rounds}, accepted={self.accepted}, "
-            f"ngram_rounds={self.ngram_rounds}, tree_rounds={self.tree_rounds}, "
+            f"ngram_rounds={self.ngram_rounds}, tree_rounds={self.tree_rounds}, draft_passes={self.draft_passes}, "
             f"verify_lengths={self.verify_length_histogram})"
         )

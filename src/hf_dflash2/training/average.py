@@ -2,9 +2,9 @@
 
     hf-dflash2 average HEAD_A HEAD_B [HEAD_C ...] --output DIR [--weights 0.5,0.5]
 
-Fine-tunes of one head on different mixes trade one prompt set for the other (session 24: a code epoch lifts
-HumanEval τ and costs MT-Bench). Their weights stay close enough that a weighted mean is itself a working head,
-often better than either on both sets, at no training cost; held-out τ (``benchmarks/heldout_tau.py``) decides.
+Fine-tunes of one head on different mixes trade one prompt set for the other (a code epoch lifts HumanEval τ
+and costs MT-Bench; docs/training.md). Their weights stay close enough that a weighted mean is itself a working head,
+often better than either on both sets, at no training cost; held-out τ (``benchmarks/training/heldout_tau.py``) decides.
 
 Every head must share one architecture (``config.json``, provenance fields aside) and one draft vocabulary:
 the mean of two heads that rank different token ids, or read different target layers, means nothing, so that

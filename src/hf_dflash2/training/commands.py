@@ -1,7 +1,7 @@
 """``hf-dflash2 regenerate | store | train``: the training side of the command line.
 
-Defaults come from the dataclasses (``RegenerationConfig``, ``TrainingConfig``), so the command line and
-the Python API cannot disagree.
+Defaults come from the dataclasses (``RegenerationConfig``; ``train``'s flags are ``config.TrainSettings``'
+fields, whose shared defaults are ``TrainingConfig``'s), so the command line and the Python API cannot disagree.
 """
 
 from __future__ import annotations
@@ -10,16 +10,16 @@ import argparse
 import json
 import logging
 import random
-from dataclasses import fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 from ..prompts import CHAT_TEMPLATE_HELP, apply_chat_template_option, chat_template_argument
+from .config import PRECISION_HELP
 from .regenerate import RegenerationConfig
 from .trainer import TrainingConfig
 
 logger = logging.getLogger("hf_dflash2")
 
-PRECISION_HELP = "auto (default): bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32 / fp16"
 
 
 def _defaults(cls) -> dict:
@@ -296,11 +296,71 @@ def _register_store(sub) -> None:
 
 # ---------------------------------------------------------------------- train
 def cmd_train(args) -> int:
-    import torch
+    """``hf-dflash2 train``: the runs of ``--config`` (its phases in order) or of the flags alone; the flags
+    given override the file. ``--plan`` prints each run's settings and stops."""
+    from .config import FIELDS, TrainSettings, plan_runs, read_recipe
 
-    from ..precision import PRECISION_CHOICES, resolve_precision
-    from .regenerate import encode_prompts
-    from .trainer import Trainer, load_sequences, parse_record_weights, store_sequences
+    given = {name: value for name, value in vars(args).items() if name in FIELDS}
+    try:
+        recipe = read_recipe(args.config) if args.config else None
+        runs = [(name, TrainSettings(**values)) for name, values in plan_runs(recipe, given)]
+    except ValueError as error:  # RecipeError included: named, before anything loads
+        raise SystemExit(f"hf-dflash2 train: {error}") from None
+    if any(settings.output is None for _, settings in runs):
+        args.train_parser.error("the following arguments are required: --output"
+                                + (f" (or output: in {args.config})" if args.config else ""))
+    if args.plan:
+        for name, settings in runs:
+            try:
+                _training_config(settings, "no").validate()
+            except ValueError as error:
+                raise SystemExit(f"hf-dflash2 train: {f'phase {name}: ' if name else ''}{error}") from None
+        print(json.dumps([{"phase": name, **asdict(settings)} for name, settings in runs], indent=1))
+        return 0
+    for name, settings in runs:  # every run's settings checked before the first one trains
+        try:
+            _check_settings(_forked(settings))
+        except SystemExit as error:
+            raise SystemExit(f"phase {name}: {error.code}" if name else error.code) from None
+    for name, settings in runs:
+        if name is not None:
+            logger.info("phase %s: %s", name, settings.output)
+        step, end = _train(settings)
+        if step < end and name is not None and name != runs[-1][0]:
+            logger.info("phase %s stopped at step %d before its end (%d): the later phases wait; run the same "
+                        "command again to continue", name, step, end)
+            break
+    return 0
+
+
+def _forked(args):
+    """A run with ``fork_from`` resumes: the copy of the other run's checkpoint, or its own once it has one."""
+    return replace(args, resume=True) if args.fork_from else args
+
+
+def _fork(args) -> None:
+    """``--fork-from``: ``--output`` starts as a copy of that run's checkpoint (once; later calls resume it)."""
+    import shutil
+
+    output = Path(args.output)
+    if (output / "checkpoint.pt").exists():
+        return
+    source = Path(args.fork_from)
+    source = source / "checkpoint.pt" if source.is_dir() else source
+    if not source.is_file():
+        raise SystemExit(f"--fork-from {args.fork_from}: no checkpoint to start from (train that run first)")
+    output.mkdir(parents=True, exist_ok=True)
+    partial = output / "checkpoint.pt.fork"
+    shutil.copyfile(source, partial)  # the source is replaced atomically by its run, so this copy is whole
+    partial.replace(output / "checkpoint.pt")
+    logger.info("--fork-from: %s copied to %s", source, output / "checkpoint.pt")
+
+
+def _check_settings(args) -> tuple[dict | None, list[int] | str | None]:
+    """The checks that need no model, each naming its flag: the record weights and the target layers to
+    copy, parsed."""
+    from ..precision import PRECISION_CHOICES
+    from .trainer import parse_record_weights
 
     if args.mixed_precision not in PRECISION_CHOICES:
         raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
@@ -336,14 +396,16 @@ def cmd_train(args) -> int:
     if args.init_context_from_target and target_layers_init is None:
         raise SystemExit("--init-context-from-target starts the context projection as what the first copied layer "
                          "reads: give --init-layers-from-target too")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if not args.release_freed_memory:
-        from ..allocator import retain_freed_memory
+    try:
+        _training_config(args, "no").validate()
+    except ValueError as error:  # a named error, before any model loads
+        raise SystemExit(f"hf-dflash2 train: {error}") from None
+    _check_train_args(args)
+    return record_weights, target_layers_init
 
-        retain_freed_memory()
-    precision = resolve_precision(args.mixed_precision)
-    config = TrainingConfig(
+
+def _training_config(args, precision: str) -> TrainingConfig:
+    return TrainingConfig(
         output_dir=args.output,
         steps=args.steps,
         batch_size=args.batch_size,
@@ -374,11 +436,28 @@ def cmd_train(args) -> int:
         loss_gamma=args.loss_gamma,
         copy_weight=args.copy_weight,
     )
-    try:
-        config.validate()
-    except ValueError as error:  # a named error, before any model loads
-        raise SystemExit(f"hf-dflash2 train: {error}") from None
-    _check_train_args(args)
+
+
+def _train(args) -> tuple[int, int]:
+    """One run (``args``: a ``TrainSettings``). Returns the step it reached and the step it was to reach."""
+    import torch
+
+    from ..precision import resolve_precision
+    from .regenerate import encode_prompts
+    from .trainer import Trainer, load_sequences, store_sequences
+
+    args = _forked(args)
+    record_weights, target_layers_init = _check_settings(args)
+    if args.fork_from:
+        _fork(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.release_freed_memory:
+        from ..allocator import retain_freed_memory
+
+        retain_freed_memory()
+    precision = resolve_precision(args.mixed_precision)
+    config = _training_config(args, precision)
     # what export reads back to rebuild the head on its own target, from any working directory
     config.extra.update({"target": _absolute_if_local(args.target), "gguf_file": args.gguf_file})
     store = None
@@ -462,12 +541,13 @@ def cmd_train(args) -> int:
         precision,
         args.label_source,
     )
-    trainer.train(resume=args.resume, stop_after=args.stop_after, stop_after_minutes=args.stop_after_minutes)
+    trainer.train(resume=args.resume, stop_after=args.stop_after, stop_after_minutes=args.stop_after_minutes,
+                  stop_at=args.stop_at)
     if trainer.accelerator.is_main_process:
         head = trainer.save_head(Path(args.output) / "head")
         (Path(args.output) / "history.json").write_text(json.dumps(trainer.history, indent=1))
         logger.info("head written to %s", head)
-    return 0
+    return trainer.step, min(args.steps, args.steps if args.stop_at is None else args.stop_at)
 
 
 def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:
@@ -528,115 +608,18 @@ def _new_drafter(target, args, layer_ids):
 
 
 def _register_train(sub) -> None:
-    d = _defaults(TrainingConfig)
-    p = sub.add_parser("train", help="train a dFlash 2 (or --dflash1) head on a feature store or regenerated data",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_target_args(p)
-    p.add_argument("--store", default=None, help="feature store folder from `hf-dflash2 store` (recommended)")
-    p.add_argument("--data", default=None, help="regenerated JSONL from `hf-dflash2 regenerate` (target runs online)")
-    p.add_argument("--output", required=True, help="run folder: checkpoint.pt, head/, history.json")
-    p.add_argument("--layers", type=int, default=2, help="the head's transformer layers")
-    p.add_argument("--block-size", type=int, default=16,
-                   help="tokens per drafted block (anchor + B-1 drafts); the committed head: 8")
-    p.add_argument("--selector-rank", type=int, default=256, help="rank of the path selector's K x K pair scores")
-    p.add_argument("--selector-top-k", type=int, default=16,
-                   help="candidates per position the selector chooses among (K)")
-    p.add_argument("--target-layer-ids", default=None,
-                   help="comma-separated tapped layers (default: evenly spaced; with --store, the store's, or some of "
-                   "them; with --init-from a head tapping a subset, its new taps start at zero)")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default: the target's pad token")
-    p.add_argument("--dflash1", action="store_true", help="ablation: no conv, no selector")
-    p.add_argument("--steps", type=int, default=d["steps"], help="optimizer steps (the schedule's length)")
-    p.add_argument("--stop-after", type=int, default=None, help="run at most this many steps now (resume later)")
-    p.add_argument("--init-from", default=None,
-                   help="start from trained weights: a run (its folder or checkpoint.pt) or a saved head folder "
-                   "(e.g. heads/smollm2-135m-dflash2); weights only, fresh schedule")
-    p.add_argument("--init-layers-from-target", default=None,
-                   help="comma-separated target layers, one per head layer, or 'last' (the target's last "
-                   "--layers layers): a fresh head whose layers start as copies of them; not with --init-from")
-    p.add_argument("--init-context-from-target", action="store_true",
-                   help="with --init-layers-from-target: fc passes the tap the first copied layer reads (its input) "
-                   "and zeroes the other taps, and hidden_norm takes that layer's input norm, so the copied layer "
-                   "starts attending over the context with the target's own keys and values")
-    p.add_argument("--stop-after-minutes", type=float, default=None, help="checkpoint and stop after this long")
-    p.add_argument("--batch-size", type=int, default=d["batch_size"], help="sequences per step")
-    p.add_argument("--anchors", type=int, default=d["anchors_per_sequence"],
-                   help="blocks drafted per sequence and step, at random anchor positions in its response")
-    p.add_argument("--loss-positions", type=int, default=d["loss_positions"],
-                   help="drafted positions with a loss (default: all B-1)")
-    p.add_argument("--max-length", type=int, default=d["max_length"], help="tokens per sequence read from the data")
-    p.add_argument("--max-sequences", type=int, default=None, help="train on the first N sequences only")
-    p.add_argument("--records", default=None,
-                   help="with --store: train only on records whose id starts with one of these comma-separated "
-                   "prefixes (regen/: the target's own responses; sharegpt/: ShareGPT's text); PREFIX=N repeats "
-                   "its records N times per epoch (the longest matching prefix counts), e.g. regen/python/=3,regen/")
-    p.add_argument("--lr", type=float, default=d["learning_rate"], help="peak learning rate (AdamW; see --lr-schedule)")
-    p.add_argument("--warmup-steps", type=int, default=None, help="default: 4%% of --steps")
-    p.add_argument("--lr-schedule", choices=["cosine", "wsd"], default=d["lr_schedule"],
-                   help="after the warmup: cosine decay over --steps, or wsd: constant until the last --decay-steps, "
-                   "then down to 0 (a long run's trunk at a constant rate; resume a copy of its checkpoint with "
-                   "--steps NOW+DECAY to cool it down into a head while the trunk goes on)")
-    p.add_argument("--decay-steps", type=int, default=None,
-                   help="with --lr-schedule wsd: the cool-down's length (default: 20%% of the steps after warmup)")
-    # The CLI's defaults are this round's recipe (README "Training"); TrainingConfig keeps the ramp for code
-    # that builds full-scale heads with DFlash2DraftModel.for_target.
-    p.add_argument("--output-scale", type=float, default=0.1,
-                   help="a fresh head's output norm starts at this fraction of the target's final-norm scale")
-    p.add_argument("--logit-ramp-steps", type=int, default=0,
-                   help="steps over which a fresh head's logit scale grows to 1 (capped at the warmup; 0: none)")
-    p.add_argument("--ema-decay", type=float, default=d["ema_decay"],
-                   help="keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed "
-                   "beside them; export it with `python -m hf_dflash2.training.export RUN DIR --ema`")
-    p.add_argument("--release-freed-memory", action="store_true",
-                   help="leave glibc's defaults, which give freed memory back to the kernel (by default the "
-                   "trainer keeps it mapped: each step's temporaries then reuse pages instead of faulting in "
-                   "fresh ones; see hf_dflash2/allocator.py)")
-    p.add_argument("--gradient-checkpointing", action="store_true",
-                   help="recompute each head layer in the backward pass instead of keeping its activations "
-                   "(less memory, more time: large targets on a GPU)")
-    p.add_argument("--hidden-weight", type=float, default=d["hidden_weight"],
-                   help="weight of a loss pulling the head's LM-head input towards the target's at each drafted "
-                   "position (relative squared error; needs a store built with --final-hidden; 0: off)")
-    p.add_argument("--loss-gamma", type=float, default=d["loss_gamma"],
-                   help="decay of the loss over block positions, weight exp(-(k-1)/gamma) "
-                   "(default: the DFlash paper's for the block size, 4 at B = 8)")
-    p.add_argument("--copy-weight", type=float, default=d["copy_weight"],
-                   help="weight of the block positions the fast loop's n-gram chain would draft and have accepted "
-                   "from the same anchor (1: off; below 1 the head learns more of the text no copy drafts)")
-    p.add_argument("--selector-weight", type=float, default=d["selector_weight"],
-                   help="weight of the selector's loss beside the per-position loss")
-    p.add_argument("--vocab-subset", choices=["data", "full"], default=d["vocab_subset"],
-                   help="draft over the tokens in the data, or the whole vocabulary")
-    p.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=d["draft_vocab_size"],
-        help="with --store: train and draft over the N most frequent label tokens only",
-    )
-    p.add_argument(
-        "--label-source",
-        choices=["data", "argmax", "kl"],
-        default=d["label_source"],
-        help="data tokens, the target's argmax, or sparse KL to the target's top-k (the last two need --store)",
-    )
-    p.add_argument("--mixed-precision", default="auto", help=PRECISION_HELP)
-    p.add_argument("--seed", type=int, default=d["seed"], help="initialisation, data order and anchors")
-    p.add_argument("--checkpoint-every", type=int, default=d["checkpoint_every"],
-                   help="steps between checkpoints (atomic; --resume continues)")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"], help="steps between held-out tau evaluations")
-    p.add_argument("--eval-prompts", type=int, default=d["eval_prompts"],
-                   help="held-out prompts per evaluation (HumanEval and MT-Bench, never trained on)")
-    p.add_argument("--eval-max-new-tokens", type=int, default=d["eval_max_new_tokens"],
-                   help="tokens generated per evaluation prompt")
-    p.add_argument("--log-every", type=int, default=d["log_every"], help="steps between log lines")
-    p.add_argument(
-        "--raw-features",
-        action="store_true",
-        help="ablation: train fc on the raw tapped features instead of per-channel standardized ones",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --output from its checkpoint")
-    p.set_defaults(func=cmd_train)
+    from ..settings import add_arguments
+    from .config import TrainSettings
+
+    p = sub.add_parser("train", help="train a dFlash 2 (or --dflash1) head on a feature store or regenerated data")
+    p.add_argument("--config", default=None,
+                   help="a recipe: YAML or JSON whose keys are this command's flags (with _ for -), and optionally "
+                   "phases, runs made in order (e.g. recipes/smollm2-135m-dflash2.yaml); flags given here override it")
+    p.add_argument("--plan", action="store_true",
+                   help="print each run's settings (--config and flags merged, phase by phase) as JSON and stop")
+    # Every TrainSettings field is a flag; one not given leaves no attribute, so a --config value stays under it.
+    add_arguments(p, TrainSettings, suppress_defaults=True)
+    p.set_defaults(func=cmd_train, train_parser=p)
 
 
 def register(subparsers) -> None:

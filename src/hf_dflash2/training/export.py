@@ -31,7 +31,7 @@ def export_head(
     """A saved head from a run's checkpoint: its weights, or with ``ema`` their moving average.
 
     ``target`` (folder or Hub id; ``gguf_file`` inside it): the model the run trained for; by default the
-    one the run recorded, else (runs before session 30) the offline SmolLM2-135M-Instruct."""
+    one the run recorded, else (a run saved by 0.1.0 may record none) the offline SmolLM2-135M-Instruct."""
     from ..assets import SMOLLM2_HUB_ID, load_target
     from ..hub import save_head
     from .losses import decay_gamma
@@ -47,7 +47,7 @@ def export_head(
     if ema and state.get("drafter_ema") is None:
         raise ValueError(f"{checkpoint} holds no moving average of the weights: train with --ema-decay to export --ema")
     extra = config.get("extra", {})
-    if target is None and "target" in extra:  # runs since session 30 record their target
+    if target is None and "target" in extra:  # runs record their target (some saved by 0.1.0 do not)
         target, gguf_file = extra["target"], extra.get("gguf_file")
     model, _ = load_target(target, gguf_file)
     drafter = _drafter_from_state(model, state, fallback or {})
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-description", default=None, help="what the head was trained on, for the card")
     parser.add_argument("--ema", action="store_true", help="the weights' moving average (a run with --ema-decay)")
     parser.add_argument("--target", default=None, help="the run's target (default: the one it recorded; runs "
-                        "before session 30 record none and mean the offline SmolLM2-135M-Instruct)")
+                        "saved by 0.1.0 may record none: they mean the offline SmolLM2-135M-Instruct)")
     parser.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
     args = parser.parse_args(argv)
     fallback = None

@@ -47,7 +47,7 @@ class StoreMeta:
     top_k: int = 32
     version: int = STORE_VERSION
     notes: dict = field(default_factory=dict)
-    # Stores before session 28 have no such field and no final hidden states.
+    # Stores written by 0.1.0 may lack this field: they keep no final hidden states.
     final_hidden: bool = False
 
     @property

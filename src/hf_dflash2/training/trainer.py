@@ -49,7 +49,7 @@ class TrainingConfig:
     warmup_ratio: float = 0.04
     warmup_steps: int | None = None  # overrides warmup_ratio
     # "cosine": the rate decays over the whole run, so --steps must be known at step 0. "wsd" (warmup, stable,
-    # decay): constant until the last ``decay_steps``, then 1 - sqrt down to 0. A run that spans sessions trains
+    # decay): constant until the last ``decay_steps``, then 1 - sqrt down to 0. A run too long for one call trains
     # its trunk at a constant rate with a large --steps; a copy of its checkpoint resumed with
     # ``--steps <now + decay_steps>`` cools down into a finished head while the trunk goes on (Hägele et al. 2024:
     # a cool-down of ~20 % matches cosine at the same budget).
@@ -86,8 +86,9 @@ class TrainingConfig:
     loss_gamma: float | None = None
     # 1: off. Otherwise the weight of the block positions that the fast loop's own n-gram chain (prompt lookup,
     # ``ngram_draft``) drafts and has accepted from the same anchor: the default loop verifies that chain beside
-    # the head's tree, so a head that learns those tokens adds little there (session 42: 44 % of the training
-    # positions of data/store_s38 are such copies). Below 1 the head's capacity goes to the text no copy drafts.
+    # the head's tree, so a head that learns those tokens adds little there (44 % of the training positions
+    # of the committed head's store are such copies; docs/training.md). Below 1 the head's capacity goes to the
+    # text no copy drafts.
     copy_weight: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -1081,13 +1082,17 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def train(
-        self, resume: bool = False, stop_after: int | None = None, stop_after_minutes: float | None = None
+        self, resume: bool = False, stop_after: int | None = None, stop_after_minutes: float | None = None,
+        stop_at: int | None = None,
     ) -> list[dict]:
-        """Run to ``config.steps`` (or ``stop_after`` more steps, or until ``stop_after_minutes`` have passed;
-        either way with a checkpoint to resume from). Returns the logged history."""
+        """Run to ``config.steps`` (or ``stop_after`` more steps, or to step ``stop_at``, or until
+        ``stop_after_minutes`` have passed; either way with a checkpoint to resume from). Returns the logged
+        history."""
         if resume:
             self.load_checkpoint()
         last = self.config.steps if stop_after is None else min(self.config.steps, self.step + stop_after)
+        if stop_at is not None:
+            last = min(last, max(self.step, stop_at))
         progress = tqdm(
             total=self.config.steps, initial=self.step, desc="train", disable=not self.accelerator.is_main_process
         )

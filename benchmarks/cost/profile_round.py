@@ -1,0 +1,116 @@
+"""Where a speculative round's time goes: torch.profiler over the fast loop on SmolLM2-135M-Instruct.
+
+    python benchmarks/cost/profile_round.py [--dtype fp32|bf16] [--block-size 16] [--new-tokens 32] [--head DIR]
+    python benchmarks/cost/profile_round.py --trees --dtype bf16 --head heads/smollm2-135m-dflash2 --new-tokens 128
+
+Runs ``speculative_generate`` with the whole block verified every round (``adaptive=False``, so every
+round has the same shape) under ``torch.profiler`` and reports, per round: the loop's phases
+(``dflash2::draft`` / ``verify`` / ``accept`` / ``context``, recorded by the loop) and the operators with
+the most self time. A fresh head by default (tau ~ 1: one token per round). Writes
+benchmarks/results/<cpu kind>/profile_round_<dtype>_b<B>.{json,md}.
+
+``--trees``: the default loop instead (adaptive policy, n-gram drafts, block widened to 16), profiled
+once with draft trees and once without (``draft_tree=False``), phases per round side by side (plus
+``dflash2::plan``, the policy's choice); writes benchmarks/results/<cpu kind>/profile_round_<dtype>_trees.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
+from _common import results_dir, save, table  # noqa: E402
+
+from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
+from hf_dflash2.assets import load_humaneval_prompts, load_target  # noqa: E402
+from hf_dflash2.prompts import encode_prompt  # noqa: E402
+
+PHASES = ("dflash2::ngram", "dflash2::draft", "dflash2::plan", "dflash2::verify", "dflash2::accept",
+          "dflash2::context")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--head", default=None, help="a trained head folder (default: a fresh head)")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--trees", action="store_true", help="the default loop with and without draft trees")
+    args = parser.parse_args()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    target, tokenizer = load_target()
+    target.to(dtype)
+    if args.head:
+        head = DFlash2DraftModel.from_pretrained(args.head).to(dtype).eval()
+    else:
+        head = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=args.block_size,
+                                            target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).to(dtype).eval()
+    head.bind_target(target)
+    ids = encode_prompt(tokenizer, load_humaneval_prompts()[0], "cpu")
+    if args.trees:
+        return compare_trees(target, head, ids, args)
+    run = dict(max_new_tokens=args.new_tokens, adaptive=False, block_size=args.block_size)
+    with torch.no_grad():
+        speculative_generate(target, head, ids, **run)  # warm-up
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            result = speculative_generate(target, head, ids, **run)
+    rounds = result.stats.rounds
+    events = prof.key_averages()
+    phases = [{"phase": e.key, "ms_per_round": e.cpu_time_total / rounds / 1e3, "calls": e.count}
+              for e in events if e.key in PHASES]
+    phases.sort(key=lambda r: PHASES.index(r["phase"]))
+    total = sum(r["ms_per_round"] for r in phases)
+    for r in phases:
+        r["share"] = r["ms_per_round"] / total
+    ops = sorted((e for e in events if not e.key.startswith("dflash2::") and e.key != "ProfilerStep*"),
+                 key=lambda e: -e.self_cpu_time_total)[: args.top]
+    top = [{"op": e.key, "self_ms_per_round": e.self_cpu_time_total / rounds / 1e3, "calls_per_round": e.count / rounds}
+           for e in ops]
+    phase_table = table(phases, ["phase", "ms_per_round", "share", "calls"])
+    op_table = table(top, ["op", "self_ms_per_round", "calls_per_round"])
+    header = (f"One fast-loop round, SmolLM2-135M-Instruct {args.dtype}, B = {args.block_size}, "
+              f"{'head ' + args.head if args.head else 'fresh head'}, tau = {result.stats.acceptance_length:.2f}, "
+              f"{rounds} rounds, {torch.get_num_threads()} threads")
+    write_results(f"profile_round_{args.dtype}_b{args.block_size}", header,
+                  f"{phase_table}\n\nTop operators by self time:\n\n{op_table}", {"phases": phases, "top_ops": top})
+
+
+def write_results(stem: str, header: str, body: str, payload: dict) -> None:
+    """Print and write ``<stem>.md`` (header, body) and ``<stem>.json`` (the command, header, payload)."""
+    text = f"{header}\n\n{body}\n"
+    print(text)
+    (results_dir() / f"{stem}.md").write_text(text)
+    command = "python benchmarks/cost/profile_round.py " + " ".join(sys.argv[1:])
+    print(f"written {save(stem, {'command': command, 'header': header, **payload})}")
+
+
+def compare_trees(target, head, ids, args) -> None:
+    rows = []
+    for trees in (True, False):
+        with torch.no_grad():
+            speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, draft_tree=trees)  # warm-up
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                result = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens, draft_tree=trees)
+        rounds = result.stats.rounds
+        times = {e.key: e.cpu_time_total / rounds / 1e3 for e in prof.key_averages() if e.key in PHASES}
+        row = {"loop": "trees" if trees else "chains", "rounds": rounds,
+               "tau": round(result.stats.acceptance_length, 2), "tree_rounds": result.stats.tree_rounds}
+        row.update({phase.removeprefix("dflash2::"): round(times.get(phase, 0.0), 2) for phase in PHASES})
+        row["ms_per_round"] = round(sum(times.values()), 2)
+        row["ms_per_token"] = round(row["ms_per_round"] / max(result.stats.acceptance_length, 1e-9), 2)
+        rows.append(row)
+    columns = list(rows[0])
+    header = (f"The default loop with and without draft trees, SmolLM2-135M-Instruct {args.dtype}, "
+              f"{'head ' + args.head if args.head else 'fresh head'}, one HumanEval prompt, {args.new_tokens} tokens, "
+              f"{torch.get_num_threads()} threads; ms per round by phase (record_function totals)")
+    write_results(f"profile_round_{args.dtype}_trees", header, table(rows, columns), {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
