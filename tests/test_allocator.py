@@ -9,11 +9,11 @@ import textwrap
 
 import pytest
 
-from hf_dflash2.allocator import retain_freed_memory
+from hf_dflash2.cpu.allocator import retain_freed_memory
 
 ROUNDS = textwrap.dedent("""
     import sys, torch
-    from hf_dflash2.allocator import minor_page_faults, retain_freed_memory
+    from hf_dflash2.cpu.allocator import minor_page_faults, retain_freed_memory
 
     print(retain_freed_memory() if sys.argv[1] == "retain" else "default")
     for _ in range(4):

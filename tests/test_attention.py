@@ -8,8 +8,14 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_dflash2 import speculative_generate
-from hf_dflash2.attention import MAX_PACKED_QUERIES, PACKED_GQA_SDPA, packed_gqa_attention, packed_gqa_sdpa, packs_gqa
 from hf_dflash2.cost_model_dflash2 import CostModel
+from hf_dflash2.cpu.attention import (
+    MAX_PACKED_QUERIES,
+    PACKED_GQA_SDPA,
+    packed_gqa_attention,
+    packed_gqa_sdpa,
+    packs_gqa,
+)
 
 from .conftest import tiny_drafter, tiny_target
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dflash2.bench import card_results, markdown_table, median_run, summarize, to_native_dflash
+from hf_dflash2.evaluation.bench import card_results, markdown_table, median_run, summarize, to_native_dflash
 
 from .conftest import tiny_drafter, tiny_target
 
@@ -72,7 +72,7 @@ def test_dflash1_head_maps_into_the_native_transformers_path():
 
 
 def test_bench_rotates_the_method_order_per_prompt():
-    from hf_dflash2.bench import rotated
+    from hf_dflash2.evaluation.bench import rotated
 
     methods = ["ar", "dflash2_generate", "dflash2_fast"]
     orders = [rotated(methods, i) for i in range(4)]
@@ -101,7 +101,7 @@ def test_a_prompt_counts_its_median_run_and_the_table_says_so():
 
 
 def test_texts_drop_trailing_padding_only():
-    from hf_dflash2.bench import generated_texts
+    from hf_dflash2.evaluation.bench import generated_texts
 
     sequences = torch.tensor([[7, 8, 5, 0, 6, 0, 0], [7, 8, 1, 2, 3, 4, 5]])
     assert generated_texts(sequences, 2, pad_token_id=0) == [(5, 0, 6), (1, 2, 3, 4, 5)]
@@ -110,7 +110,7 @@ def test_texts_drop_trailing_padding_only():
 def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_there():
     from types import SimpleNamespace
 
-    from hf_dflash2.bench import Runner
+    from hf_dflash2.evaluation.bench import Runner
 
     target = tiny_target(vocab_size=64)
     runner = Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": tiny_drafter(target, dflash2=True)},
@@ -138,7 +138,7 @@ def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_th
 
 def test_each_prompt_compares_the_median_runs_texts():
     """The median run counts for the text too, AR's as every method's; sampled runs compare nothing."""
-    from hf_dflash2.bench import add_prompt
+    from hf_dflash2.evaluation.bench import add_prompt
 
     a, b = [(1, 2)], [(1, 3)]
     runs = {"ar": [(10, 9.0, b), (10, 1.0, b), (10, 2.0, a)],  # median by s/token: the third run, text a

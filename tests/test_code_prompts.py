@@ -149,7 +149,7 @@ def test_regenerate_cli_probes_the_linear_kernel_at_its_batch_size(tmp_path, mon
     """Regeneration multiplies one row per running prompt, so `auto` is timed at --batch-size rows, not at
     decoding's 1 and 16; the kernel is set before the first forward."""
     import hf_dflash2.assets
-    import hf_dflash2.linear_kernels
+    import hf_dflash2.cpu.linear_kernels
     import hf_dflash2.training.regenerate
     from hf_dflash2.cli import main
 
@@ -159,7 +159,7 @@ def test_regenerate_cli_probes_the_linear_kernel_at_its_batch_size(tmp_path, mon
     target = tiny_target(vocab_size=96)
     calls = []
     monkeypatch.setattr(hf_dflash2.assets, "load_target", lambda *a, dtype=None: (target, tiny_base_tokenizer()))
-    monkeypatch.setattr(hf_dflash2.linear_kernels, "use_linear_kernel",
+    monkeypatch.setattr(hf_dflash2.cpu.linear_kernels, "use_linear_kernel",
                         lambda model, kernel, rows: calls.append((model, kernel, rows)) or "default")
     monkeypatch.setattr(hf_dflash2.training.regenerate, "regenerate",
                         lambda model, *args, **kwargs: calls.append(("regenerate", model)))

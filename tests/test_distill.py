@@ -26,7 +26,7 @@ from hf_dflash2.training.distill import (
 )
 
 from .conftest import REPO, tiny_target
-from .test_hub import TOKEN, hub  # noqa: F401  (the Hub stand-in fixture)
+from .test_hub import hub  # noqa: F401  (the Hub stand-in fixture)
 
 WORDS = ("the a one two cat dog runs sees big small red blue and then it is was house tree river code function "
          "returns list of numbers sum loop python write explain why how what when").split()

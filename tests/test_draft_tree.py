@@ -1,4 +1,4 @@
-"""Draft trees (``draft_tree``): best-first ranking against a heap walk, acceptance against walking each
+"""Draft trees (``generation/trees.py``): best-first ranking against a heap walk, acceptance against walking each
 slot's path in plain Python, the mask, the caches after moving the path to the front, greedy identity
 with forced tree plans, and the policy's plan."""
 
@@ -10,9 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_dflash2 import generation, speculative_generate
+from hf_dflash2 import speculative_generate
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, VerifyPolicy
-from hf_dflash2.draft_tree import (
+from hf_dflash2.generation import loop, prefill, verify
+from hf_dflash2.generation.sampling import Sampler
+from hf_dflash2.generation.trees import (
     HeadNodes,
     accept_tree,
     best_first,
@@ -25,7 +27,6 @@ from hf_dflash2.draft_tree import (
     supports_trees,
     tree_attention_mask,
 )
-from hf_dflash2.generation import prefill, verify
 
 from .conftest import tiny_drafter, tiny_target
 from .test_generation import _sequence_law
@@ -265,7 +266,7 @@ def test_forced_tree_rounds_keep_greedy_identity(plans, monkeypatch):
     n-gram round (0, kg), head nodes alone (m, 0), a plain step and trees with both. Paths that are not
     already in front are moved in the cache (counted)."""
     moves = []
-    monkeypatch.setattr(generation, "move_path_to_front", lambda cache, order: moves.append(
+    monkeypatch.setattr(loop, "move_path_to_front", lambda cache, order: moves.append(
         move_path_to_front(cache, order)))
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
@@ -402,12 +403,12 @@ def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
     """Negative control: slots of all depths sharing one uniform draw (instead of one per depth) make the
     draws along a path dependent, and the statistics of tokens (2, 3) and (3, 4) above see it."""
 
-    per_depth = generation._Sampler.pick_per_slot
+    per_depth = Sampler.pick_per_slot
 
     def one_draw(self, logits, depth):
         return per_depth(self, logits, torch.zeros_like(depth))
 
-    monkeypatch.setattr(generation._Sampler, "pick_per_slot", one_draw)
+    monkeypatch.setattr(Sampler, "pick_per_slot", one_draw)
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])

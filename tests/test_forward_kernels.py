@@ -7,8 +7,8 @@ import torch
 
 from hf_dflash2 import kernels_dflash2 as kd
 from hf_dflash2 import speculative_generate, use_linear_kernel
-from hf_dflash2.bench import fastest_baseline, speed_bound, summarize
 from hf_dflash2.cost_model_dflash2 import CostModel
+from hf_dflash2.evaluation.bench import fastest_baseline, speed_bound, summarize
 
 from .conftest import tiny_drafter, tiny_target
 from .test_generation import OracleDrafter, plain

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from hf_dflash2 import cost_model_dflash2 as cm
 from hf_dflash2 import kernels_dflash2 as kd
-from hf_dflash2 import linear_kernels as lk
 from hf_dflash2 import speculative_generate
+from hf_dflash2.cpu import linear_kernels as lk
 from hf_dflash2.settings import BenchSettings, DemoSettings
 
 from .conftest import tiny_drafter, tiny_target
@@ -85,7 +85,7 @@ def test_packing_leaves_someone_elses_forward_alone():
 
 def test_auto_packs_only_when_the_probe_says_onednn_is_clearly_faster(caplog):
     target = tiny_target(layers=2)
-    with caplog.at_level(logging.INFO, logger="hf_dflash2.linear_kernels"):
+    with caplog.at_level(logging.INFO, logger="hf_dflash2.cpu.linear_kernels"):
         assert lk.use_linear_kernel(target, "auto", probe=lambda model: 1.5) == "onednn"
     assert _packed_forwards(target) > 0 and "oneDNN 1.50x" in caplog.text
     assert lk.use_linear_kernel(target, "auto", probe=lambda model: 1.05) == "default"  # within noise: unpacked

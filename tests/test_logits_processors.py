@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hf_dflash2 import generation, speculative_generate
+from hf_dflash2 import speculative_generate
 from hf_dflash2.cost_model_dflash2 import CostModel
+from hf_dflash2.generation import loop
+from hf_dflash2.generation.outputs import OutputBuffer, Rows
+from hf_dflash2.generation.processors import TargetLogitsProcessors
+from hf_dflash2.generation.trees import DraftTree, ancestry_of
 
 from .conftest import tiny_drafter, tiny_target
 from .test_draft_tree import ForcedTrees
@@ -87,12 +92,12 @@ def test_drafted_slots_see_their_drafts(target, monkeypatch):
     common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None, **settings)
     reference = target.generate(ids, attention_mask=mask, **common)
     drafter = _oracle(target, reference, ids, mask)
-    per_slot = generation.TargetLogitsProcessors.round
+    per_slot = TargetLogitsProcessors.round
 
     def committed_only(self, output, rows, ids, logits, tree=None):
         return per_slot(self, output, rows, ids[:, :1].expand_as(ids).clone(), logits, tree)
 
-    monkeypatch.setattr(generation.TargetLogitsProcessors, "round", committed_only)
+    monkeypatch.setattr(TargetLogitsProcessors, "round", committed_only)
     out = speculative_generate(target, drafter, ids, mask, adaptive=False, **common)
     assert not torch.equal(out.sequences[:, : reference.shape[1]], reference)
 
@@ -134,22 +139,21 @@ class RecordPrefixes(LogitsProcessor):
 def test_each_tree_slot_is_processed_on_its_own_branch():
     """A tree whose slots are not in path order (two branches from the anchor, one hanging from a middle
     slot): every slot's processors see the prompt, the committed tokens and exactly its own branch."""
-    from hf_dflash2.draft_tree import ancestry_of
 
     committed_row = [7, 8]
     parent = torch.tensor([[0, 0, 1, 0, 2, 3]])  # slots 1, 3 hang from the anchor; 2 from 1; 4 from 2; 5 from 3
     depth = torch.tensor([[0, 1, 2, 1, 3, 2]])
     tokens = torch.tensor([[11, 12, 13, 14, 15]])
-    tree = generation.DraftTree(tokens, depth, parent, ancestry_of(parent), 5, 0, torch.zeros(1, dtype=torch.long),
-                                torch.zeros(1, dtype=torch.long))
+    tree = DraftTree(tokens, depth, parent, ancestry_of(parent), 5, 0, torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, dtype=torch.long))
     recorder = RecordPrefixes()
     prompt = torch.tensor([[0, 3, 4]])
-    processors = generation.TargetLogitsProcessors(
+    processors = TargetLogitsProcessors(
         tiny_target(vocab_size=16), GenerationConfig(), prompt, torch.tensor([[0, 1, 1]]), 8,
         LogitsProcessorList([recorder]))
 
-    rows = generation._Rows(torch.tensor([0]), torch.tensor([8]), torch.tensor([4]), torch.tensor([False]))
-    output = generation._Output(prompt, torch.tensor([[0, 1, 1]]), 8, 6, 0, torch.empty(0, dtype=torch.long))
+    rows = Rows(torch.tensor([0]), torch.tensor([8]), torch.tensor([4]), torch.tensor([False]))
+    output = OutputBuffer(prompt, torch.tensor([[0, 1, 1]]), 8, 6, 0, torch.empty(0, dtype=torch.long))
     output.commit(rows, torch.tensor([committed_row]), torch.tensor([2]))
     ids = torch.cat([torch.tensor([[8]]), tokens], dim=1)
     processors.round(output, rows, ids, torch.zeros(1, 6, 16), tree)
@@ -274,7 +278,7 @@ def test_drafts_follow_the_processors(target, monkeypatch):
     head draft holds a suppressed token (without the hook, a random head drafts them nearly everywhere)."""
     banned = list(range(2, 80))
     drafted = []
-    propose = generation.propose
+    propose = loop.propose
 
     def spy(*args, **kwargs):
         proposal, head_drafted = propose(*args, **kwargs)
@@ -282,7 +286,7 @@ def test_drafts_follow_the_processors(target, monkeypatch):
             drafted.append(proposal.head_tokens.flatten())
         return proposal, head_drafted
 
-    monkeypatch.setattr(generation, "propose", spy)
+    monkeypatch.setattr(loop, "propose", spy)
     ids, mask = _left_padded(PROMPTS)
     drafter = tiny_drafter(target).to(torch.float64)
     common = dict(max_new_tokens=12, eos_token_id=None, pad_token_id=0, adaptive=False, ngram_size=0)
@@ -436,7 +440,7 @@ def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(ta
     a head with a draft vocabulary) its logits, at the verified slots and at the head's drafted positions,
     equal the per-slot processor calls' bit for bit; greedy output equals ``generate``'s."""
     calls = {"round": 0, "drafts": 0}
-    round_of, for_drafts_of = generation.TargetLogitsProcessors.round, generation.TargetLogitsProcessors.for_drafts
+    round_of, for_drafts_of = TargetLogitsProcessors.round, TargetLogitsProcessors.for_drafts
 
     def per_slot_too(call):
         def compare(self, *args):
@@ -462,8 +466,8 @@ def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(ta
             return process(logits, vocab)
         return lambda logits, vocab: per_slot_too(both)(self, logits, vocab)
 
-    monkeypatch.setattr(generation.TargetLogitsProcessors, "round", checked_round)
-    monkeypatch.setattr(generation.TargetLogitsProcessors, "for_drafts", checked_drafts)
+    monkeypatch.setattr(TargetLogitsProcessors, "round", checked_round)
+    monkeypatch.setattr(TargetLogitsProcessors, "for_drafts", checked_drafts)
     prompts = [[5, 6, 7, 5, 6, 20, 21, 5, 6], [9, 10, 11, 9, 10], [3]]
     ids, mask = _left_padded(prompts)
     common = dict(max_new_tokens=30, do_sample=False, pad_token_id=0, eos_token_id=None, repetition_penalty=1.5)
@@ -488,7 +492,7 @@ def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(ta
         assert torch.equal(out.sequences[:, : reference.shape[1]], reference)
 
 
-class PenaltySubclass(generation.RepetitionPenaltyLogitsProcessor):
+class PenaltySubclass(RepetitionPenaltyLogitsProcessor):
     """A caller's variant of the penalty: not the processor the batched path reproduces."""
 
 
@@ -503,24 +507,23 @@ def test_the_batched_penalty_is_taken_only_where_it_equals_the_processor(ignore,
     values the processor reads otherwise than as prompt columns, or a subclass, keeps the per-slot path; the
     rest take the batched one. Either way, a chain round, a tree round and the drafts' hook on running row 1
     alone of a batch of 2 give the per-slot logits bit for bit."""
-    from hf_dflash2.draft_tree import ancestry_of
 
     target = tiny_target(vocab_size=48)
     prompts = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     mask = torch.ones_like(prompts)
     processor = (PenaltySubclass(1.4) if ignore == "subclass"
-                 else generation.RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=ignore))
-    processors = generation.TargetLogitsProcessors(target, GenerationConfig(), prompts, mask, 16,
-                                                   LogitsProcessorList([processor]))
+                 else RepetitionPenaltyLogitsProcessor(1.4, prompt_ignore_length=ignore))
+    processors = TargetLogitsProcessors(target, GenerationConfig(), prompts, mask, 16,
+                                        LogitsProcessorList([processor]))
     assert (processors.penalty is not None) == batched
-    output = generation._Output(prompts, mask, 16, 6, 0, torch.empty(0, dtype=torch.long))
-    everyone = generation._Rows(torch.arange(2), torch.tensor([3, 4]), torch.tensor([4, 4]), torch.zeros(2, dtype=bool))
+    output = OutputBuffer(prompts, mask, 16, 6, 0, torch.empty(0, dtype=torch.long))
+    everyone = Rows(torch.arange(2), torch.tensor([3, 4]), torch.tensor([4, 4]), torch.zeros(2, dtype=bool))
     output.commit(everyone, torch.tensor([[20, 21, 9], [30, 10, 31]]), torch.tensor([3, 3]))
     row_1 = everyone.select(torch.tensor([1]))
     parent = torch.tensor([[0, 0, 1, 0, 2]])
-    tree = generation.DraftTree(torch.tensor([[32, 10, 33, 11]]), torch.tensor([[0, 1, 2, 1, 3]]), parent,
-                                ancestry_of(parent), 4, 0, torch.zeros(1, dtype=torch.long),
-                                torch.zeros(1, dtype=torch.long))
+    tree = DraftTree(torch.tensor([[32, 10, 33, 11]]), torch.tensor([[0, 1, 2, 1, 3]]), parent,
+                     ancestry_of(parent), 4, 0, torch.zeros(1, dtype=torch.long),
+                     torch.zeros(1, dtype=torch.long))
     chain = torch.tensor([[31, 12, 30, 40]])
     tree_ids = torch.cat([torch.tensor([[31]]), tree.tokens], dim=1)
     logits = torch.randn(1, 4, 48, generator=torch.Generator().manual_seed(0))

@@ -103,14 +103,14 @@ def test_the_loop_hands_the_lookup_every_row_whole_and_no_more(monkeypatch):
     by each round's width): every row's text still fits, and the lookup's drafts equal those over the whole
     buffer. A text the tiny target loops on gets most drafts accepted, so rows run up against the bound, in
     chain rounds and in tree rounds."""
-    import hf_dflash2.generation as generation
+    import hf_dflash2.generation.loop as loop
     import hf_dflash2.speculative_dflash2 as speculative
 
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, block_size=5)
     looping = plain(target, torch.tensor([[5, 9, 13]]), 40)[0]
     other = plain(target, torch.tensor([[7, 2]]), 30)[0]
-    original, original_tree = speculative.ngram_draft, generation.build_tree
+    original, original_tree = speculative.ngram_draft, loop.build_tree
     headroom, trees = [], []
 
     def checked(history, length, num_tokens, ngram_size=3):
@@ -126,7 +126,7 @@ def test_the_loop_hands_the_lookup_every_row_whole_and_no_more(monkeypatch):
         return original_tree(*args, **kwargs)
 
     monkeypatch.setattr(speculative, "ngram_draft", checked)
-    monkeypatch.setattr(generation, "build_tree", counted_tree)
+    monkeypatch.setattr(loop, "build_tree", counted_tree)
     cost = CostModel([1.0, 1.0, 1.05, 1.1, 1.15], 0.1)
     for prompts in ([looping], [looping, other]):
         ids, mask = _left_padded([p.tolist() for p in prompts])

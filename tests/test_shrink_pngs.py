@@ -89,7 +89,7 @@ def test_save_chart_refuses_a_path_that_is_not_png(tmp_path):
 
 
 def test_the_bench_chart_is_a_palette_png(tmp_path):
-    from hf_dflash2.bench import draw_chart
+    from hf_dflash2.evaluation.bench import draw_chart
 
     report = {
         "settings": {"batch_size": 1, "temperature": 0.0},

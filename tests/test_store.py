@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_dflash2 import linear_kernels, precision
+from hf_dflash2.cpu import linear_kernels, precision
 from hf_dflash2.speculative_dflash2 import tapped_features
 from hf_dflash2.training.losses import sparse_cross_entropy
 from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store

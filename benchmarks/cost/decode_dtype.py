@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from _common import GREEDY, interleaved, save  # noqa: E402
 
 from hf_dflash2.assets import load_mtbench_prompts, load_target  # noqa: E402
-from hf_dflash2.precision import DECODE_ROWS, time_decode_speedups, time_matmul_speedup  # noqa: E402
+from hf_dflash2.cpu.precision import DECODE_ROWS, time_decode_speedups, time_matmul_speedup  # noqa: E402
 from hf_dflash2.prompts import encode_prompt  # noqa: E402
 
 

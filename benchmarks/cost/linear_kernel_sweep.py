@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from _common import results_dir, save, table  # noqa: E402
 
 from hf_dflash2.assets import load_target  # noqa: E402
-from hf_dflash2.linear_kernels import KernelSwitch  # noqa: E402
+from hf_dflash2.cpu.linear_kernels import KernelSwitch  # noqa: E402
 
 KERNELS = KernelSwitch.kernels
 WIDTHS = (1, 2, 4, 8, 16)

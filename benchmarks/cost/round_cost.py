@@ -10,7 +10,7 @@
    the cost of a round (a step), with the prefill and the last rounds, which verify only the drafts the
    budget has room for, cancelled out.
    The AR step is plain ``generate``'s on the target's own attention (``sdpa``); since the fast loop runs
-   the packed grouped-query attention (``hf_dflash2.attention``), the round is also given over
+   the packed grouped-query attention (``hf_dflash2.cpu.attention``), the round is also given over
    ``generate``'s step on that attention, so the ratio does not bank the attention's gain.
 2. Tokens/s of plain AR, `generate(assistant_model=head)` and the fast loop with the same head, batch 1
    (goal: fast loop >= 1.15x the Transformers path), and AR vs fast loop at batch 8.
@@ -31,10 +31,10 @@ from _common import GREEDY, interleaved, save, table  # noqa: E402
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts  # noqa: E402
-from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import linear_kernel_of  # noqa: E402
-from hf_dflash2.linear_kernels import use_linear_kernel  # noqa: E402
-from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
+from hf_dflash2.cpu.attention import packed_gqa_attention  # noqa: E402
+from hf_dflash2.cpu.linear_kernels import use_linear_kernel  # noqa: E402
+from hf_dflash2.cpu.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import default_head, left_pad, load_head  # noqa: E402
 from hf_dflash2.prompts import encode_prompt as encode  # noqa: E402
 from hf_dflash2.training.trainer import new_drafter_for  # noqa: E402

@@ -37,14 +37,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import GREEDY, chart_bars, results_dir, save, table  # noqa: E402
 
-import hf_dflash2.generation as generation  # noqa: E402
 import hf_dflash2.speculative_dflash2 as speculative  # noqa: E402
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set, load_target  # noqa: E402
-from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths  # noqa: E402
+from hf_dflash2.cpu.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
+from hf_dflash2.evaluation.bench import rotated  # noqa: E402
 from hf_dflash2.generation import prefill  # noqa: E402
-from hf_dflash2.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
+from hf_dflash2.generation.outputs import OutputBuffer  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
 from hf_dflash2.speculative_dflash2 import DEFAULT_NGRAM_SIZE, tapped_features  # noqa: E402
 
@@ -55,7 +55,7 @@ PIECES = ("generate", "forward", "+ mask", "+ taps", "+ context", "loop steps", 
 def timers(target, spent: Counter):
     """Seconds spent in the loop's parts, added up in ``spent`` (instrumentation: wraps, then restores)."""
     parts = [(type(target), "__call__", "target forward"), (speculative, "ngram_draft", "n-gram lookup"),
-             (speculative.DraftContext, "append", "context append"), (generation._Output, "commit", "commit")]
+             (speculative.DraftContext, "append", "context append"), (OutputBuffer, "commit", "commit")]
     originals = [(owner, name, owner.__dict__.get(name)) for owner, name, _ in parts]
     try:
         for owner, name, label in parts:

@@ -32,7 +32,10 @@ import json, sys, time, torch
 from hf_dflash2 import speculative_generate
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts
 from hf_dflash2.cost_model_dflash2 import CostModel
-from hf_dflash2.precision import load_target_for_decoding
+try:
+    from hf_dflash2.cpu.precision import load_target_for_decoding
+except ImportError:  # a checkout from before the cpu/ package
+    from hf_dflash2.precision import load_target_for_decoding
 from hf_dflash2.prompts import default_head, encode_prompt, load_head
 target, tokenizer = load_target_for_decoding("auto")
 head = load_head(default_head(), target)
@@ -89,9 +92,9 @@ def main() -> None:
                          f"and {args.batch}")
     import torch
 
-    from hf_dflash2.attention import packed_gqa_attention
     from hf_dflash2.cost_model_dflash2 import measure_cost_model
-    from hf_dflash2.precision import load_target_for_decoding
+    from hf_dflash2.cpu.attention import packed_gqa_attention
+    from hf_dflash2.cpu.precision import load_target_for_decoding
     from hf_dflash2.prompts import default_head, load_head
 
     target, _ = load_target_for_decoding("auto")

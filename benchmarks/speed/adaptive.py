@@ -31,11 +31,11 @@ from _common import GREEDY, results_dir, save, table  # noqa: E402
 
 from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_mtbench_prompts, load_target  # noqa: E402
-from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
-from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.charts import save_chart  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
-from hf_dflash2.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
+from hf_dflash2.cpu.attention import packed_gqa_attention  # noqa: E402
+from hf_dflash2.cpu.linear_kernels import LINEAR_KERNELS, use_linear_kernel  # noqa: E402
+from hf_dflash2.evaluation.bench import rotated  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head  # noqa: E402
 
 

@@ -28,10 +28,10 @@ from _common import GREEDY, chart_grouped, cpu_kind, results_dir, save, table  #
 
 from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set, load_target  # noqa: E402
-from hf_dflash2.bench import rotated  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import load_or_measure_cost_model  # noqa: E402
-from hf_dflash2.linear_kernels import KernelSwitch, decode_probe_kernels  # noqa: E402
-from hf_dflash2.precision import DECODE_ROWS, decode_bf16_is_faster, time_decode_speedups  # noqa: E402
+from hf_dflash2.cpu.linear_kernels import KernelSwitch, decode_probe_kernels  # noqa: E402
+from hf_dflash2.cpu.precision import DECODE_ROWS, decode_bf16_is_faster, time_decode_speedups  # noqa: E402
+from hf_dflash2.evaluation.bench import rotated  # noqa: E402
 from hf_dflash2.prompts import default_head, encode_prompt, load_head  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

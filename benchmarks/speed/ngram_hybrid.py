@@ -34,12 +34,13 @@ from tqdm.auto import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import GREEDY, chart_bars, results_dir, save, table  # noqa: E402
 
-from hf_dflash2 import generation, speculative_generate  # noqa: E402
+from hf_dflash2 import speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
-from hf_dflash2.attention import packed_gqa_attention  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import AdaptiveVerifyPolicy, CostModel, load_or_measure_cost_model  # noqa: E402
-from hf_dflash2.draft_tree import candidate_log_mass, rank_continuations  # noqa: E402
-from hf_dflash2.precision import load_target_for_decoding  # noqa: E402
+from hf_dflash2.cpu.attention import packed_gqa_attention  # noqa: E402
+from hf_dflash2.cpu.precision import load_target_for_decoding  # noqa: E402
+from hf_dflash2.generation import loop  # noqa: E402
+from hf_dflash2.generation.trees import candidate_log_mass, rank_continuations  # noqa: E402
 from hf_dflash2.prompts import apply_chat_template_option, default_head, encode_prompt, load_head  # noqa: E402
 
 VARIANTS = {
@@ -143,7 +144,7 @@ def main() -> None:
                     total["rounds"] += len(calls)
                 else:
                     ranking = partial(rank_continuations, top_k_mass=settings.get("top_k_mass", True))
-                    with mock.patch.object(generation, "rank_continuations", ranking):
+                    with mock.patch.object(loop, "rank_continuations", ranking):
                         out = speculative_generate(target, head, ids, max_new_tokens=args.new_tokens,
                                                    verify_policy=policy, block_size=block,
                                                    ngram_size=settings["ngram_size"],

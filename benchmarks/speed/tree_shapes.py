@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for
 from _common import drafting_every_position, fp32_committed_head, results_dir, save, table  # noqa: E402
 
 from hf_dflash2.assets import load_prompt_set  # noqa: E402
-from hf_dflash2.draft_tree import TREE_TOP_K  # noqa: E402
+from hf_dflash2.generation.trees import TREE_TOP_K  # noqa: E402
 
 SIZES = (4, 7, 11, 15)
 

@@ -275,10 +275,10 @@ def install_generate_hook() -> None:
             tokenizer = kwargs.get("target_tokenizer", args[0] if args else None)
             accepted = inspect.signature(factory).parameters
             if tokenizer is not None and "tokenizer" in accepted:
-                extra["tokenizer"] = tokenizer  # heads saved before session 30 take no tokenizer
+                extra["tokenizer"] = tokenizer  # heads saved by early 0.1.0 take no tokenizer
             criteria = _callers_stopping_criteria()
             if criteria is not None and "stopping_criteria" in accepted:
-                extra["stopping_criteria"] = criteria  # nor, before session 31, the criteria
+                extra["stopping_criteria"] = criteria  # nor, a little later, the criteria
             return factory(
                 target=self,
                 generation_config=generation_config,

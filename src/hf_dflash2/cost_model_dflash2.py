@@ -53,7 +53,7 @@ On rounds the head does not draft (back-off, or n-gram drafts won the last round
 verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
 is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
 
-Draft trees (rounds of the fast loop where the head drafted, greedy or sampling; ``draft_tree``): ``choose_tree``
+Draft trees (rounds of the fast loop where the head drafted, greedy or sampling; ``generation.trees``): ``choose_tree``
 plans ``(m, kg)``: verify the head's ``m`` likeliest continuations (nodes ranked by the path probability
 the head gives them) and ``kg`` tokens of the n-gram's chain. A node is accepted with its path
 probability times a calibration rate for its depth (row ``TREE_ROW``: accepted nodes over predicted, so
@@ -97,7 +97,7 @@ from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_
 TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
 COST_MODEL_VERSION = 6  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
-# 4: keyed by the target's attention implementation (the fast loop runs attention.packed_gqa_sdpa);
+# 4: keyed by the target's attention implementation (the fast loop runs cpu.attention.packed_gqa_sdpa);
 # 5: at batch > 1 timed with a padding mask, as the loop's forwards run; 6: a cheaper draft pass (a draft
 # vocabulary's LM-head rows on the target LM head's kernel)
 
@@ -133,7 +133,7 @@ def _device_name(device: torch.device) -> str:
 
 def linear_kernel_of(model) -> str:
     """The kernel ``model``'s linear layers run on: "onednn" when some layer's forward was packed by
-    ``hf_dflash2.linear_kernels`` (it marks its forwards with ``kernel``), else "default"; during a generation
+    ``hf_dflash2.cpu.linear_kernels`` (it marks its forwards with ``kernel``), else "default"; during a generation
     call that chooses the kernel per forward (``kernels_dflash2.ForwardKernels``), that call's choices."""
     per_forward = model.__dict__.get("_dflash2_forward_kernels")
     if per_forward is not None:
@@ -229,7 +229,7 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     batch > 1 (left-padded prompts, and holes where rows accepted less). Without one, Transformers builds no
     mask for a one-token forward, and an unpacked grouped-query target then runs SDPA's ``enable_gqa`` path,
     which on CPU in bf16 took 60 ms where the masked path the loop runs took 41 (SmolLM2-135M, batch 8,
-    ``benchmarks/cost_model_mask.py``), so every ratio to ``verify(1)`` shrank."""
+    ``docs/benchmarks.md``), so every ratio to ``verify(1)`` shrank."""
     block_size = block_size or drafter.config.block_size
     device = next(target.parameters()).device
     limit = target.config.get_text_config().max_position_embeddings or context_length + block_size
@@ -399,7 +399,7 @@ class VerifyPolicy:
     def choose_tree(self, node_logp: torch.Tensor, node_depth: torch.Tensor, ngram_size: torch.Tensor,
                     spells_ngram: torch.Tensor) -> torch.Tensor:
         """[2] (m, kg): verify the head's ``m`` likeliest continuations and ``kg`` more n-gram drafts as
-        one tree (``draft_tree``); (0, kg) is a linear n-gram round, (0, 0) a plain step. node_logp,
+        one tree (``generation.trees``); (0, kg) is a linear n-gram round, (0, 0) a plain step. node_logp,
         node_depth: [N, M] the ranked nodes' path log-probabilities and depths; ngram_size: [N] (0: no
         match); spells_ngram: [N, M] whether each node's path spells the n-gram draft's first tokens."""
         raise NotImplementedError

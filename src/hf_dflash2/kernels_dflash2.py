@@ -363,7 +363,8 @@ class ForwardKernels:
         if self.drafter is not None:
             self._hooks.append(self.drafter.register_forward_pre_hook(self._before_draft))
         self.active = True
-        logger.info("linear kernels: %s", self.describe())
+        if self.kernel == "auto":
+            logger.info("linear kernels: %s", self.describe())
         return self
 
     def _before_target(self, module, args, kwargs):

@@ -595,7 +595,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         weight, bias, vocab = bound.lm_head_weight, bound.lm_head_bias, self.draft_vocab if restrict else None
         packed = None
         if vocab is not None:
-            # the kernel the target's LM head runs on (``hf_dflash2.linear_kernels`` tags a packed forward)
+            # the kernel the target's LM head runs on (``hf_dflash2.cpu.linear_kernels`` tags a packed forward)
             kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
             weight, bias, packed = self._draft_head_rows(weight, bias, vocab, kernel)
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
@@ -604,7 +604,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         inference = not torch.is_grad_enabled() and weight.is_floating_point()  # a quantized head: its own path
         if vocab is None and bound.lm_head is not None and inference:
             # Drafting over the full vocabulary: the target's own module, so that a kernel its LM head runs on
-            # (e.g. oneDNN with packed weights, ``hf_dflash2.linear_kernels``) serves the draft pass too.
+            # (e.g. oneDNN with packed weights, ``hf_dflash2.cpu.linear_kernels``) serves the draft pass too.
             logits = bound.lm_head(flat)
         elif packed is not None and inference and flat.device.type == "cpu":
             logits = packed(flat, bias)  # the draft vocabulary's rows, packed like the target's LM head

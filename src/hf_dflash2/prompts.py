@@ -136,7 +136,7 @@ def check_head_matches_target(folder, target) -> None:
 
 def load_head(folder, target):
     """The head at ``folder`` in the target's dtype and on its linear kernel, bound to ``target``."""
-    from .linear_kernels import linear_kernel_of, use_linear_kernel
+    from .cpu.linear_kernels import linear_kernel_of, use_linear_kernel
     from .modeling_dflash2 import DFlash2DraftModel
 
     drafter = DFlash2DraftModel.from_pretrained(folder, dtype=next(target.parameters()).dtype).eval()

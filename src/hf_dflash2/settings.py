@@ -50,13 +50,13 @@ LINEAR_KERNEL_HELP = ("the speculative loops' linear kernel: auto picks PyTorch'
 
 
 def validate_linear_kernel(value: str) -> None:
-    from .linear_kernels import check_linear_kernel
+    from .cpu.linear_kernels import check_linear_kernel
 
     check_linear_kernel(value)
 
 
 def validate_precision(value: str) -> None:
-    from .precision import PRECISION_CHOICES
+    from .cpu.precision import PRECISION_CHOICES
 
     if value not in PRECISION_CHOICES:
         raise ValueError(f"mixed_precision must be one of {PRECISION_CHOICES}, got {value!r}")

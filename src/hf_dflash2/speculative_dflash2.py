@@ -204,8 +204,8 @@ class Proposal:
     without a head draft. When the head drafted, its draft also comes as it was before the per-row choice
     (head_tokens / head_confidence [N, S]), with the n-gram lookup (ngram_tokens [N, S], ngram_size [N])
     when there was one and the head's continuations ranked by path probability (node_tokens / node_depth /
-    node_logp / node_parent [N, M], ``draft_tree.HeadNodes``) when asked for, so that a round may verify
-    them as a tree (``draft_tree``).
+    node_logp / node_parent [N, M], ``generation.trees.HeadNodes``) when asked for, so that a round may verify
+    them as a tree (``generation.trees``).
     """
 
     tokens: torch.Tensor
@@ -282,8 +282,9 @@ def _padded(draft, width: int, anchor: torch.Tensor, vocab_size: int):
 
 
 def takes_logits_processor(drafter) -> bool:
-    """Whether the head's ``draft_block`` takes a ``logits_processor`` (heads saved with remote code before
-    session 31 do not; they draft without it, and the output is the target's either way)."""
+    """Whether the head's ``draft_block`` takes a ``logits_processor`` (heads saved with remote code by
+    0.1.0 before processors reached the draft do not; they draft without it, and the output is the target's
+    either way)."""
     parameters = inspect.signature(drafter.draft_block).parameters.values()
     return any(p.name == "logits_processor" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
 
@@ -447,7 +448,7 @@ class SpeculativeStats:
         """accepted, committed: [N] per row this round; active: [N] bool, rows that really verified;
         verified: drafted tokens verified this round (``B - 1`` when not given); source: [N] where each
         row's drafts came from (``Proposal.source``: n >= 1 an n-gram match; for a tree, the branch that
-        was accepted further); tree: the round verified a draft tree (``draft_tree``)."""
+        was accepted further); tree: the round verified a draft tree (``generation.trees``)."""
         b = self.block_size
         if self._joint is None:
             self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
@@ -505,7 +506,7 @@ class SpeculativeStats:
 
     @property
     def tree_rounds(self) -> int:
-        """Rows x rounds that verified a draft tree (``draft_tree``) rather than one chain."""
+        """Rows x rounds that verified a draft tree (``generation.trees``) rather than one chain."""
         return int(self._ngram[2]) if self._ngram is not None else 0
 
     @property

@@ -46,7 +46,7 @@ def _layer_ids(text: str | None) -> list[int] | None:
 def _load_target(args, precision: str):
 
     from ..assets import load_target
-    from ..precision import resolve_dtype
+    from ..cpu.precision import resolve_dtype
 
     dtype = resolve_dtype(precision)
     target, tokenizer = load_target(args.target, args.gguf_file, dtype=dtype)
@@ -99,7 +99,7 @@ def _load_prompts(source: str | None, seed: int, tokenizer=None):
 
 # ---------------------------------------------------------------------- regenerate
 def cmd_regenerate(args) -> int:
-    from ..linear_kernels import check_linear_kernel, use_linear_kernel
+    from ..cpu.linear_kernels import check_linear_kernel, use_linear_kernel
     from .regenerate import regenerate
 
     try:
@@ -183,7 +183,7 @@ def _store_target_name(args) -> str:
 
 
 def cmd_store(args) -> int:
-    from ..precision import PRECISION_CHOICES
+    from ..cpu.precision import PRECISION_CHOICES
     from .store import (
         FeatureStore,
         StoreMeta,
@@ -359,7 +359,7 @@ def _fork(args) -> None:
 def _check_settings(args) -> tuple[dict | None, list[int] | str | None]:
     """The checks that need no model, each naming its flag: the record weights and the target layers to
     copy, parsed."""
-    from ..precision import PRECISION_CHOICES
+    from ..cpu.precision import PRECISION_CHOICES
     from .trainer import parse_record_weights
 
     if args.mixed_precision not in PRECISION_CHOICES:
@@ -442,7 +442,7 @@ def _train(args) -> tuple[int, int]:
     """One run (``args``: a ``TrainSettings``). Returns the step it reached and the step it was to reach."""
     import torch
 
-    from ..precision import resolve_precision
+    from ..cpu.precision import resolve_precision
     from .regenerate import encode_prompts
     from .trainer import Trainer, load_sequences, store_sequences
 
@@ -453,7 +453,7 @@ def _train(args) -> tuple[int, int]:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.release_freed_memory:
-        from ..allocator import retain_freed_memory
+        from ..cpu.allocator import retain_freed_memory
 
         retain_freed_memory()
     precision = resolve_precision(args.mixed_precision)

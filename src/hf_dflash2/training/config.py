@@ -109,7 +109,7 @@ class TrainSettings:
     release_freed_memory: bool = field(default=False, metadata=_help(
         "leave glibc's defaults, which give freed memory back to the kernel (by default the trainer keeps it "
         "mapped: each step's temporaries then reuse pages instead of faulting in fresh ones; see "
-        "hf_dflash2/allocator.py)"))
+        "hf_dflash2/cpu/allocator.py)"))
     gradient_checkpointing: bool = field(default=False, metadata=_help(
         "recompute each head layer in the backward pass instead of keeping its activations (less memory, more "
         "time: large targets on a GPU)"))

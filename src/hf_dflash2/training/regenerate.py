@@ -2,7 +2,7 @@
 
 Output is an append-only JSONL of ``{"id", "prompt_ids", "response_ids"}`` (plus ``"repetition_penalty"``
 when one was set: a head that serves a penalized decode should learn from penalized text, since a penalty
-halves what a head trained on plain text gets right; ``benchmarks/penalty_drafts.py``). Each batch is
+halves what a head trained on plain text gets right; ``docs/benchmarks.md``). Each batch is
 appended with one write followed by fsync; a line cut short by a crash is dropped on the next
 start (the file is rewritten atomically without it), and finished prompt ids are skipped.
 

@@ -9,9 +9,10 @@ import argparse
 import logging
 import sys
 
-from . import bench, demo, push_cli
-from .training import commands as training_commands
-from .training import distill
+from ..evaluation import bench
+from ..training import commands as training_commands
+from ..training import distill
+from . import demo, push
 
 logger = logging.getLogger("hf_dflash2")
 
@@ -19,7 +20,7 @@ logger = logging.getLogger("hf_dflash2")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-dflash2", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for module in (training_commands, distill, bench, demo, push_cli):
+    for module in (training_commands, distill, bench, demo, push):
         module.register(subparsers)
     return parser
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 
-from .settings import CardSettings, add_arguments, from_args
+from ..settings import CardSettings, add_arguments, from_args
 
 
 def cmd_push(args) -> int:
-    from .hub import load_card_results, push_head
+    from ..hub import load_card_results, push_head
 
     settings = from_args(CardSettings, args)
     try:
@@ -33,7 +33,7 @@ def cmd_push(args) -> int:
 def cmd_card(args) -> int:
     from pathlib import Path
 
-    from .hub import is_head_folder, load_card_results, render_model_card
+    from ..hub import is_head_folder, load_card_results, render_model_card
 
     settings = from_args(CardSettings, args)
     ok, reason = is_head_folder(args.head_folder)

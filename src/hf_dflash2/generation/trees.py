@@ -7,7 +7,7 @@ DFlash-1's unary distribution ranks them independently. A round verifies the ``m
 highest path probability (best first: a node's probability is its path's product, so the ``m`` likeliest
 nodes always include their parents), and the n-gram draft as a chain hanging from the deepest head node
 that spells its first tokens. At equal size this beats the head's chain with runner-up first tokens by
-5-10 % in tokens per round (``benchmarks/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16
+5-10 % in tokens per round (``benchmarks/speed/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16
 (or a GPU) little more than verifying 8. The round keeps the path the target accepts furthest.
 
 Slots, per row: 0 the anchor; 1..m the head's nodes in order of probability (so a parent comes before
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .attention import PACKED_GQA_SDPA
+from ..cpu.attention import PACKED_GQA_SDPA
 
 TREE_TOP_K = 16  # candidates per position a DFlash-1 head's tree ranks (dFlash 2: its selector's K)
 
 
 def supports_trees(target, cache) -> bool:
     """Whether this target and cache can verify a tree: a custom 4-D mask needs SDPA (Transformers' or
-    ``attention.packed_gqa_sdpa``) or eager attention and no sliding window (the mask replaces
+    ``cpu.attention.packed_gqa_sdpa``) or eager attention and no sliding window (the mask replaces
     Transformers' own), and moving the path needs plain ``DynamicLayer`` caches."""
     config = target.config.get_text_config()
     if getattr(target.config, "_attn_implementation", None) not in ("sdpa", PACKED_GQA_SDPA, "eager"):

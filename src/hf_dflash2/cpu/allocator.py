@@ -5,7 +5,7 @@ glibc gives freed memory back to the kernel: a block above the mmap threshold is
 free top of the heap above the trim threshold is trimmed. A training step allocates and frees tens of
 megabytes of temporaries (the dense gradients of the selector's [V, rank] codebooks, logits over the draft
 vocabulary), so every step faults in fresh zeroed pages. On the virtual machines here a page fault costs
-some ten microseconds, and a SmolLM2 training step took ~20,000 of them (`benchmarks/allocator_faults.py`
+some ten microseconds, and a SmolLM2 training step took ~20,000 of them (`docs/benchmarks.md`
 measures it). Raising both thresholds keeps those pages in the process for the next step: more resident
 memory (at most ``trim_threshold`` of freed memory), no change to any result.
 

@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from .cost_model_dflash2 import linear_kernel_of
-from .kernels_dflash2 import (
+from ..cost_model_dflash2 import linear_kernel_of
+from ..kernels_dflash2 import (
     ForwardKernels,
     KernelSwitch,
     PackedLinearForward,

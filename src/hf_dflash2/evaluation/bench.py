@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .charts import save_chart
-from .hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
-from .kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
-from .prompts import (
+from ..charts import save_chart
+from ..hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
+from ..kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
+from ..prompts import (
     apply_chat_template_option,
     check_head_matches_target,
     default_head,
@@ -51,8 +51,8 @@ from .prompts import (
     left_pad,
     load_head,
 )
-from .settings import BENCH_METHODS, BenchSettings, add_arguments, from_args
-from .speculative_dflash2 import SpeculativeStats
+from ..settings import BENCH_METHODS, BenchSettings, add_arguments, from_args
+from ..speculative_dflash2 import SpeculativeStats
 
 ALL_METHODS = list(BENCH_METHODS)
 
@@ -180,7 +180,7 @@ class Runner:
 
     @torch.no_grad()
     def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor):
-        from .generation import speculative_generate
+        from ..generation import speculative_generate
 
         n = self.max_new_tokens
         common = dict(max_new_tokens=n, pad_token_id=self.pad, **self.sampling_kwargs())
@@ -231,8 +231,8 @@ class Runner:
 
 
 def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
-    from .assets import load_prompt_set
-    from .prompts import parse_chat_template
+    from ..assets import load_prompt_set
+    from ..prompts import parse_chat_template
 
     torch.manual_seed(args.seed)
     methods = args.methods.split(",")
@@ -248,7 +248,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         if folder:
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
-    from .precision import load_target_for_decoding
+    from ..cpu.precision import load_target_for_decoding
 
     target, tokenizer = load_target_for_decoding(args.mixed_precision, args.target, args.gguf_file,
                                                  args.linear_kernel)
@@ -520,10 +520,10 @@ def cmd_bench(args) -> int:
 
 def print_cost_profile(settings: BenchSettings) -> int:
     """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with
-    (under the attention the fast loop runs, ``attention.packed_gqa_attention``)."""
-    from .attention import packed_gqa_attention
-    from .cost_model_dflash2 import load_or_measure_cost_model
-    from .precision import load_target_for_decoding
+    (under the attention the fast loop runs, ``cpu.attention.packed_gqa_attention``)."""
+    from ..cost_model_dflash2 import load_or_measure_cost_model
+    from ..cpu.attention import packed_gqa_attention
+    from ..cpu.precision import load_target_for_decoding
 
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                          settings.linear_kernel)

@@ -1,6 +1,6 @@
 """Pick the compute precision the machine is fast at: ``--mixed-precision auto``.
 
-The CPUs this project runs on differ from session to session: with AMX or AVX-512-BF16 a bf16 matmul is
+The CPUs this project runs on differ from machine to machine: with AMX or AVX-512-BF16 a bf16 matmul is
 2-5x faster than fp32, with AVX2 only it is ~300x *slower*. So ``auto`` never guesses from the torch
 build: on CUDA it asks the device, on CPU it times one small product in both dtypes (well under a
 second) and caches the verdict per CPU model and torch version, so later runs decide instantly.
@@ -8,16 +8,16 @@ second) and caches the verdict per CPU model and torch version, so later runs de
 Two workloads, two probes. Training, feature stores and regeneration multiply hundreds of rows at once
 (``workload="train"``: a square product). Decoding at batch 1 multiplies one row by each weight matrix
 (and a verify a few rows): that is bound by reading the weights, and on some CPUs with fast bf16 *compute*
-the one-row bf16 product is slower than fp32 (measured 0.63x in session 6, ``benchmarks/decode_dtype.py``).
+the one-row bf16 product is slower than fp32 (0.63x on an Intel Xeon with AMX, ``benchmarks/cost/decode_dtype.py``).
 So ``workload="decode"`` (demo, bench) times one decoder step's weight matrices at 1 and 16 rows (the plain
 step and the widest verify) and picks bf16 only when it is clearly faster at the verify (``BF16_MIN_SPEEDUP``)
 and not slower at the plain step, so neither side of a speculative-vs-greedy ratio is the one left slow.
 
 Each dtype is timed on the linear kernels the caller allows (``linear_kernels``: PyTorch's default, and
-oneDNN with packed weights), each dtype on its faster one. Session 20's Intel Xeon with AMX is why: there
+oneDNN with packed weights), each dtype on its faster one. An Intel Xeon with AMX is why: there
 a bf16 step on the default kernel is slower than fp32 (so decoding used to run in fp32, where a 16-token
 verify costs 2.3 plain steps), while bf16 through oneDNN is the fastest plain step of the four and its
-16-token verify costs 1.25 of them (``benchmarks/linear_kernel_sweep.py``).
+16-token verify costs 1.25 of them (``benchmarks/cost/linear_kernel_sweep.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .cost_model_dflash2 import cost_cache_dir
-from .kernels_dflash2 import cached_speedup, cached_speedups, cpu_key  # noqa: F401  (re-exported)
+from ..cost_model_dflash2 import cost_cache_dir
+from ..kernels_dflash2 import cached_speedup, cached_speedups, cpu_key  # noqa: F401  (re-exported)
+from . import linear_kernels
+from .linear_kernels import ONEDNN_MIN_SPEEDUP, check_linear_kernel, decode_probe_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +101,7 @@ def time_decode_speedups(config=None, rows: tuple[int, ...] = DECODE_ROWS, repea
     interleaved so drift hits all alike. Each dtype runs on its faster kernel among ``kernels`` ("default":
     ``F.linear``; "onednn": packed weights, taken when ``ONEDNN_MIN_SPEEDUP`` faster over all ``rows``, as
     ``use_linear_kernel`` decides); a dtype no allowed kernel can run counts as infinitely slow."""
-    from .kernels_dflash2 import onednn_linear
-    from .linear_kernels import ONEDNN_MIN_SPEEDUP
+    onednn_linear = linear_kernels.onednn_linear  # looked up at each call, as tests replace it
 
     dtypes = (torch.float32, torch.bfloat16)
     pairs = [(dtype, kernel) for dtype in dtypes for kernel in kernels]
@@ -222,8 +223,7 @@ def load_target_for_decoding(choice: str, name_or_path=None, gguf_file=None, lin
     forward themselves, and the bench times plain greedy on each). ``auto`` loads in fp32, probes with the
     loaded model's own shapes, each dtype on the kernels ``linear_kernel`` allows, and casts to bf16 if that
     wins."""
-    from .assets import load_target
-    from .linear_kernels import check_linear_kernel, decode_probe_kernels
+    from ..assets import load_target
 
     check_linear_kernel(linear_kernel)
     if choice != "auto":
