@@ -267,11 +267,11 @@ def test_cli_defaults_come_from_the_settings_dataclasses():
     import dataclasses
 
     from hf_dflash2.cli import build_parser
-    from hf_dflash2.settings import BenchSettings, CardSettings, DemoSettings
+    from hf_dflash2.settings import BenchSettings, CardSettings, DemoSettings, PushSettings
 
     parser = build_parser()
     for argv, settings_class in ((["bench"], BenchSettings), (["demo"], DemoSettings),
-                                 (["card", "h", "r"], CardSettings), (["push", "h", "r"], CardSettings)):
+                                 (["card", "h", "r"], CardSettings), (["push", "h", "r"], PushSettings)):
         args = vars(parser.parse_args(argv))
         for item in dataclasses.fields(settings_class):
             assert args[item.name] == item.default, (argv, item.name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_dflash2 import cost_model_dflash2 as cm
 from hf_dflash2 import kernels_dflash2 as kd
 from hf_dflash2 import speculative_generate, use_linear_kernel
 from hf_dflash2.cost_model_dflash2 import CostModel
@@ -53,8 +54,11 @@ def test_forward_kernels_choose_by_width_from_the_injected_speedups():
         assert kernels.draft_kernel == "onednn"  # 8 rows = 4 per row of the batch
         assert kernels.kernel_for_rows(2) == "default" and kernels.kernel_for_rows(6) == "onednn"
         assert kernels.kernel_for_rows(2 * 300) == "onednn"  # a prefill: the widest probe decides
+        # both models report the call's choices, so a cost model's key is the same whichever layer is switched
         assert target.__dict__["_dflash2_forward_kernels"] == kernels.describe()
+        assert cm.linear_kernel_of(drafter) == cm.linear_kernel_of(target) == kernels.describe()
     assert "_dflash2_forward_kernels" not in target.__dict__ and not target._forward_pre_hooks
+    assert "_dflash2_forward_kernels" not in drafter.__dict__ and not drafter._forward_pre_hooks
 
 
 def test_a_bad_kernel_name_is_refused_by_name_before_any_work():

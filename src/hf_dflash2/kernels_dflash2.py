@@ -358,7 +358,10 @@ class ForwardKernels:
         except BaseException:
             self._restore()
             raise
+        # what ``linear_kernel_of`` reports for both models (cost-model keys) whatever layer is switched when
         self.target.__dict__["_dflash2_forward_kernels"] = self.describe()
+        if self.drafter is not None:
+            self.drafter.__dict__["_dflash2_forward_kernels"] = self.describe()
         self._hooks.append(self.target.register_forward_pre_hook(self._before_target, with_kwargs=True))
         if self.drafter is not None:
             self._hooks.append(self.drafter.register_forward_pre_hook(self._before_draft))
@@ -396,5 +399,7 @@ class ForwardKernels:
         self._hooks = []
         if self.active:
             self.target.__dict__.pop("_dflash2_forward_kernels", None)
+            if self.drafter is not None:
+                self.drafter.__dict__.pop("_dflash2_forward_kernels", None)
         self._restore()
         self.active = False

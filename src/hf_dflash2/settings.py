@@ -1,7 +1,12 @@
-"""Settings of the ``bench``, ``demo`` and ``push``/``card`` commands as dataclasses.
+"""Settings of the ``bench``, ``demo``, ``card`` and ``push`` commands as dataclasses, and the generator of
+every command's flags from such dataclasses (``add_arguments``, ``from_args``).
 
-The command line is derived from them (``add_arguments``), so its defaults and the Python API's cannot
-disagree, and the values are checked when a settings object is built (named errors, before any model load).
+Every ``hf-dflash2`` flag is a field of a settings dataclass beside its command (these here; ``train``,
+``regenerate`` and ``store``: ``training/config.py``; ``distill``: ``training/distill.py``; ``average``:
+``training/average.py``), so the command line's defaults and the Python API's cannot disagree, and the values
+are checked when a settings object is built (named errors, before any model load). Only positional operands
+(the head folder and repo id of ``card``/``push``, ``demo``'s prompt, ``average``'s heads) are written by hand:
+they are what a command acts on, not settings, and ``add_arguments`` makes ``--flags`` only.
 """
 
 from __future__ import annotations
@@ -127,6 +132,29 @@ class CardSettings:
             raise ValueError(f"unknown method {self.method!r}; choose from {list(BENCH_METHODS)}")
 
 
+@dataclass
+class BenchCommand:
+    """``bench``'s own switch beside the run's ``BenchSettings``: what the command does instead of a run."""
+
+    profile: bool = field(default=False, metadata={"help": "print the verify cost model of the head and exit"})
+
+
+@dataclass
+class PushSettings(CardSettings):
+    """``push``: the card's settings and the upload's. The head folder and repo id are its positionals."""
+
+    private: bool = field(default=False, metadata={"help": "create the repo private (ignored if it exists)"})
+    revision: str | None = field(default=None, metadata={"help": "branch to commit to (default: main)"})
+    create_pr: bool = field(default=False, metadata={"help": "open a pull request instead of committing to main"})
+    base_model: str | None = field(default=None, metadata={
+        "help": "target model id for the card, if config.json has no base_model"})
+    endpoint: str | None = field(default=None, metadata={
+        "help": "Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)"})
+    dry_run: str | None = field(default=None, metadata={
+        "metavar": "DIR", "help": "write exactly what would be uploaded (weights, code, card) into the new folder "
+                                  "DIR instead; no token or network needed"})
+
+
 def _argument_type(field_type: str):
     for name, kind in (("int", int), ("float", float)):
         if field_type.startswith(name):
@@ -135,26 +163,36 @@ def _argument_type(field_type: str):
 
 
 def add_arguments(parser: argparse.ArgumentParser, settings_class, skip: tuple[str, ...] = (),
-                  suppress_defaults: bool = False) -> None:
-    """One ``--flag`` per dataclass field, with the field's default, type and help.
+                  suppress_defaults: bool = False, only: tuple[str, ...] | None = None) -> None:
+    """One ``--flag`` per dataclass field (``only`` those named, less ``skip``), with the field's default, type
+    and help.
 
-    A ``bool`` field is a switch (``store_true``); ``metadata`` may give ``choices`` and a ``type`` (a parsing
-    function). ``suppress_defaults``: a flag not given leaves no attribute, so that the caller can tell it
-    from one given with the default's value (a settings file under the command line)."""
+    A ``bool`` field is a switch (``store_true``); a field without a default is a required flag; ``metadata``
+    may give ``choices``, a ``type`` (a parsing function) and a ``metavar``. ``suppress_defaults``: a flag not
+    given leaves no attribute, so that the caller can tell it from one given with the default's value (a
+    settings file under the command line)."""
     for item in dataclasses.fields(settings_class):
-        if item.name in skip:
+        if item.name in skip or (only is not None and item.name not in only):
             continue
+        if item.default_factory is not dataclasses.MISSING:
+            raise TypeError(f"{settings_class.__name__}.{item.name} has no flag form (a default_factory): skip it")
         flag = "--" + item.name.replace("_", "-")
+        required = item.default is dataclasses.MISSING
         help_text = item.metadata.get("help", "")
-        if "default" not in help_text:
+        if not required and "default" not in help_text:
             help_text = f"{help_text} (default: {item.default})" if help_text else f"default: {item.default}"
-        options = {"default": argparse.SUPPRESS if suppress_defaults else item.default, "help": help_text}
+        options = {"help": help_text}
+        if required:
+            options["required"] = True
+        else:
+            options["default"] = argparse.SUPPRESS if suppress_defaults else item.default
         if item.type in (bool, "bool"):
             options["action"] = "store_true"
         else:
             options["type"] = item.metadata.get("type") or _argument_type(str(item.type))
-            if "choices" in item.metadata:
-                options["choices"] = item.metadata["choices"]
+            for name in ("choices", "metavar"):
+                if name in item.metadata:
+                    options[name] = item.metadata[name]
         parser.add_argument(flag, **options)
 
 

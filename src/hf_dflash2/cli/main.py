@@ -1,6 +1,7 @@
-"""The ``hf-dflash2`` command: regenerate, store, train, distill, bench, demo, card, push.
+"""The ``hf-dflash2`` command: regenerate, store, train, average, distill, bench, demo, card, push.
 
-Each subcommand lives in its own module, which adds its parser with ``register(subparsers)``.
+Each subcommand lives in its own module, which adds its parser with ``register(subparsers)``; its flags are
+generated from its settings dataclasses (``settings.add_arguments``).
 """
 
 from __future__ import annotations

