@@ -257,11 +257,13 @@ def card_results(report: dict, method: str) -> dict:
                 for name, methods in report["datasets"].items() if HYBRID_METHOD in methods}
     return {
         "method": method,
-        **({"method_note": METHOD_NOTES[method]} if method in METHOD_NOTES and HEAD_ONLY_METHOD in first else {}),
+        **({"method_note": METHOD_NOTES[method]} if method in METHOD_NOTES else {}),
         **({"with_ngram_drafts": also} if also else {}),
         "datasets": datasets,
         "train_datasets": ["anon8231489123/ShareGPT_Vicuna_unfiltered"],
-        "device": report["machine"].get("device", "cpu") + f" ({report['machine']['threads']} threads)",
+        "device": report["machine"].get("device", "cpu") + " (" + (
+            f"{report['machine']['processor']}, " if report["machine"].get("processor") else "")
+        + f"{report['machine']['threads']} threads)",
         **({"dtype": report["machine"]["dtype"]} if "dtype" in report["machine"] else {}),
         "temperature": settings["temperature"],
         "max_new_tokens": settings["max_new_tokens"],

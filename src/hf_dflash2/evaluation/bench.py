@@ -43,6 +43,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..charts import save_chart
+from ..cost_model_dflash2 import _device_name
 from ..hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
 from ..kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
 from ..prompts import (
@@ -99,6 +100,11 @@ def to_native_dflash(drafter):
     if missing or unexpected:
         raise ValueError(f"weights do not map: missing {missing}, unexpected {unexpected}")
     return native
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``platform.processor()`` is empty on Linux)."""
+    return _device_name(torch.device("cpu"))
 
 
 def load_reference_head(folder, target):
@@ -267,7 +273,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         methods.insert(methods.index("ar") + 1, "ar_onednn")  # the baseline is the faster greedy of the two
     report = {
         "command": command_line,
-        "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__,
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or cpu_name(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(target.device),
                     "dtype": str(target.dtype).removeprefix("torch."),  # what `auto` chose, every method
                     "linear_kernel": args.linear_kernel},
