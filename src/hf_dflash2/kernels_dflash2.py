@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 KERNEL_CHOICES = ("auto", "default", "onednn")
 # Rows per batch row at which the target's kernels are compared: a plain step, a short verify, a block.
 PROBE_WIDTHS = (1, 4, 16)
+# A whole model on one kernel (``use_linear_kernel``) is probed at a plain step plus a 16-row verify; the
+# cache's keys for that probe carry no row count (they predate other row counts).
+WHOLE_MODEL_ROWS = (1, 16)
 # oneDNN is chosen for a width only when it is at least this much faster there: a win, not timer noise.
 PER_FORWARD_MIN_SPEEDUP = 1.05
 _PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
@@ -203,7 +206,7 @@ def _median_pass_seconds(linears: list[torch.nn.Linear], rows: int, repeats: int
     return statistics.median(samples)
 
 
-def time_onednn_speedup(model: torch.nn.Module, rows: tuple[int, ...] = (1, 16), repeats: int = 3) -> float:
+def time_onednn_speedup(model: torch.nn.Module, rows: tuple[int, ...] = WHOLE_MODEL_ROWS, repeats: int = 3) -> float:
     """Default-kernel seconds / oneDNN seconds of a pass over the model's CPU linear layers at each number
     of ``rows``, summed over ``rows``; the kernels interleaved per repeat. Leaves the layers unpacked."""
     linears = [m for m in linear_layers(model) if m.weight.device.type == "cpu" and m.weight.dtype in _PACKABLE_DTYPES]
@@ -270,10 +273,11 @@ def cached_speedup(path: Path, key: str, measure: Callable[[], float], what: str
 def probe_key(model: torch.nn.Module, rows: tuple[int, ...]) -> str:
     shapes = Counter((m.in_features, m.out_features) for m in linear_layers(model))
     key = f"{cpu_key()} | {next(model.parameters()).dtype} | {sorted(shapes.items())}"
-    return key if tuple(rows) == (1, 16) else f"{key} | rows {list(rows)}"
+    return key if tuple(rows) == WHOLE_MODEL_ROWS else f"{key} | rows {list(rows)}"
 
 
-def onednn_speedup(model: torch.nn.Module, use_cache: bool = True, rows: tuple[int, ...] = (1, 16)) -> float:
+def onednn_speedup(model: torch.nn.Module, use_cache: bool = True,
+                   rows: tuple[int, ...] = WHOLE_MODEL_ROWS) -> float:
     """``time_onednn_speedup(model, rows)``, cached in ``linear_kernel.json`` beside the cost models."""
     return cached_speedup(cost_cache_dir() / "linear_kernel.json", probe_key(model, rows),
                           lambda: time_onednn_speedup(model, rows), "linear-kernel", use_cache)

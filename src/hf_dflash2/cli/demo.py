@@ -55,14 +55,13 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     plain_sampling = sampling if sampling["do_sample"] else greedy
-    from ..evaluation.bench import BASELINE_METHODS, speed_bound
-    from ..kernels_dflash2 import ForwardKernels, onednn_available, shared_switch
+    from ..evaluation.bench import PLAIN_KERNELS, fastest_baseline, onednn_packs, speed_bound
+    from ..kernels_dflash2 import ForwardKernels
 
     # Plain greedy on the target as loaded (PyTorch's default linear kernel) and, where oneDNN can pack it,
     # with every linear layer on oneDNN: the faster of the two is the baseline of the speedup.
-    plain_kernels = {"ar": None}
-    if onednn_available() and target.device.type == "cpu" and shared_switch(target) is not None:
-        plain_kernels["ar_onednn"] = "onednn"
+    plain_kernels = {side: kernel for side, kernel in PLAIN_KERNELS.items()
+                     if kernel is None or onednn_packs(target)}
 
     def plain_generate(kernel, tokens):
         with ForwardKernels(target, None, 1, 1, kernel):
@@ -91,7 +90,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
                     runs[side].append((texts[side].shape[1] - ids.shape[1], time.perf_counter() - started))
     medians = {side: median_run(side_runs) for side, side_runs in runs.items()}
     speed = {side: tokens / seconds for side, (tokens, seconds) in medians.items()}
-    baseline = max((side for side in BASELINE_METHODS if side in speed), key=speed.get)
+    baseline = fastest_baseline({side: {"tokens": [tokens], "seconds": [seconds]}
+                                 for side, (tokens, seconds) in medians.items() if side in plain_kernels})
     plain = texts["ar"]
     same = torch.equal(result.sequences[0, : plain.shape[1]], plain[0]) and result.sequences.shape[1] == plain.shape[1]
     same = same if not sampling["do_sample"] else None  # sampled runs agree in law, not token for token

@@ -20,6 +20,8 @@ import torch
 
 from ..cost_model_dflash2 import linear_kernel_of
 from ..kernels_dflash2 import (
+    KERNEL_CHOICES,
+    WHOLE_MODEL_ROWS,
     ForwardKernels,
     KernelSwitch,
     PackedLinearForward,
@@ -36,10 +38,10 @@ __all__ = ["LINEAR_KERNELS", "ForwardKernels", "KernelSwitch", "PackedLinearForw
            "unpack_linears", "use_linear_kernel"]
 logger = logging.getLogger(__name__)
 
-LINEAR_KERNELS = ("auto", "onednn", "default")
+LINEAR_KERNELS = KERNEL_CHOICES
 # What `auto` demands of oneDNN over a plain step plus a 16-row verify: a clear win, not timer noise.
 ONEDNN_MIN_SPEEDUP = 1.1
-PROBE_ROWS = (1, 16)
+PROBE_ROWS = WHOLE_MODEL_ROWS
 
 
 def decode_probe_kernels(linear_kernel: str) -> tuple[str, ...]:

@@ -163,7 +163,7 @@ class Runner:
             return "Transformers' assisted loop runs at batch size 1 only"
         if self.sample and method == "prompt_lookup":
             return "prompt lookup has no proposal distribution for lossless sampling"
-        if method == "ar_onednn" and not self.onednn_packs_target():
+        if method == "ar_onednn" and not onednn_packs(self.target):
             return "oneDNN cannot pack this target's weights here"
         if method == "zlab_reference":
             if self.sample or batch > 1:
@@ -182,10 +182,6 @@ class Runner:
                 return f"DFlash-1 weights do not map into the native assistant: {self._native}"
         return None
 
-    def onednn_packs_target(self) -> bool:
-        parameter = next(self.target.parameters())
-        return onednn_available() and parameter.device.type == "cpu" and shared_switch(self.target) is not None
-
     @torch.no_grad()
     def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor):
         from ..generation import speculative_generate
@@ -195,7 +191,7 @@ class Runner:
         stats = None
         started = time.perf_counter()
         if method in ("ar", "ar_onednn"):
-            with ForwardKernels(self.target, None, ids.shape[0], 1, "onednn" if method == "ar_onednn" else None):
+            with ForwardKernels(self.target, None, ids.shape[0], 1, PLAIN_KERNELS[method]):
                 out = self.target.generate(ids, attention_mask=mask, **common)
             generated = (out[:, ids.shape[1] :] != self.pad).sum().item() if ids.shape[0] > 1 else out.shape[1] - ids.shape[1]
         elif method == "zlab_reference":
@@ -353,7 +349,16 @@ def warm_up(runner: Runner, methods: list[str], datasets: dict, tokenizer, targe
         runner.max_new_tokens = timed_tokens
 
 
-BASELINE_METHODS = ("ar", "ar_onednn")
+# The plain ``generate`` configurations a speedup may be measured against: method -> its linear kernel
+# (None: the model as loaded).
+PLAIN_KERNELS = {"ar": None, "ar_onednn": "onednn"}
+BASELINE_METHODS = tuple(PLAIN_KERNELS)
+
+
+def onednn_packs(target) -> bool:
+    """Whether ``ar_onednn`` can run: a CPU target whose linear layers oneDNN can pack here."""
+    parameter = next(target.parameters())
+    return onednn_available() and parameter.device.type == "cpu" and shared_switch(target) is not None
 
 
 def seconds_per_token(data: dict) -> list[float]:
