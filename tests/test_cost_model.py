@@ -127,3 +127,26 @@ def test_a_bad_cache_file_is_ignored_with_a_warning(pair, tmp_path, monkeypatch,
         model = cm.load_or_measure_cost_model(target, drafter, 1, cache_dir=tmp_path)
     assert len(calls) == 2 and model.verify_seconds == [0.01, 0.02, 0.03, 0.04]
     assert json.loads(path.read_text())["key"] == key  # replaced by the new measurement
+
+
+def test_a_call_decides_with_costs_timed_near_its_own_context(pair, monkeypatch):
+    """A verify over a long cache costs more than over 256 tokens: the call's cost model is timed at the power
+    of two nearest the prompt plus half the new tokens (the prefill of the measurement kept near 4k tokens
+    whatever the batch), and what the loop reports is that model."""
+    from hf_dflash2 import speculative_generate
+
+    assert [cm.cost_context_length(1, n) for n in (10, 300, 400, 700, 2100, 9000)] == [256, 256, 512, 512, 2048,
+                                                                                       4096]
+    assert cm.cost_context_length(8, 2100) == 512 and cm.cost_context_length(64, 100) == 64
+    target, drafter = pair
+    contexts = []
+
+    def fake(target, drafter, batch_size, block_size, context_length, *args):
+        contexts.append(context_length)
+        key = cm.cost_key(target, drafter, batch_size, block_size, context_length)
+        return cm.CostModel([0.01 * (k + 1) for k in range(block_size)], 0.004, key)
+
+    monkeypatch.setattr(cm, "load_or_measure_cost_model", fake)
+    prompt = torch.randint(1, 60, (1, 380))
+    out = speculative_generate(target, drafter, prompt, max_new_tokens=100, do_sample=False)
+    assert contexts == [512] and out.stats.costs["key"]["context_length"] == 512  # 380 + 100 / 2 = 430

@@ -140,6 +140,13 @@ def test_the_bound_counts_the_draft_passes_and_the_chosen_verifies():
     assert bound["c_d"] == pytest.approx(0.5) and bound["v"] == pytest.approx(verify / 0.1)
     assert bound["bound"] == pytest.approx(2.0 / (0.5 * 0.4 + verify / 0.1))
     assert speed_bound([{**stats[0], "costs": None}], 0.1) is None
+    # a second prompt, long: its own cost model (verifies twice as dear) counts for its own rounds
+    long = {"verify_forwards": 10, "draft_passes": 10, "committed": 30, "verify_length_histogram": [0, 0, 0, 10],
+            "costs": {"verify_seconds": [0.20, 0.24, 0.28, 0.32], "draft_seconds": 0.05}}
+    both = speed_bound([*stats, long], step_seconds=0.1)
+    verify_both = (6 * 0.10 + 4 * 0.16 + 10 * 0.32) / 20
+    assert both["v"] == pytest.approx(verify_both / 0.1) and both["drafted_share"] == pytest.approx(0.7)
+    assert both["bound"] == pytest.approx(2.5 / (0.5 * 0.7 + verify_both / 0.1))
 
 
 def test_a_weak_drafter_the_policy_stops_verifying_costs_fewer_draft_passes():

@@ -241,6 +241,41 @@ def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
     torch.testing.assert_close(_norm_scale(gemma_norm, gemma_norm.weight.detach()), 1 + torch.linspace(-0.5, 0.5, 8))
 
 
+def test_a_gemma3_head_layer_copied_from_the_target_computes_the_target_layer():
+    """A Gemma head (sandwich norms, the target's tanh GELU) takes every parameter of a Gemma 3 decoder layer,
+    norms as the 1 + w they apply, and then computes that layer: on one token (attention to itself only, so
+    RoPE and the context drop out) the head layer maps the layer's input to its output."""
+    from hf_dflash2.training.trainer import copy_target_layers
+
+    target = trained_like_gemma3_layers()
+    drafter = tiny_drafter(target, randomize=False)
+    assert drafter.config.sandwich_norms and drafter.config.hidden_act == "gelu_pytorch_tanh"
+    copied = copy_target_layers(drafter, target, [3, 4])
+    assert {"pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight",
+            "self_attn.q_norm.weight"} <= set(copied)
+    with torch.no_grad():
+        states = target(torch.tensor([[7]]), output_hidden_states=True).hidden_states
+        for head_layer, index in zip(drafter.layers, [3, 4]):
+            x = states[index].view(1, 1, 1, -1)
+            heads, dim = drafter.config.num_key_value_heads, drafter.config.head_dim
+            empty = torch.zeros(1, heads, 0, dim)
+            out = head_layer(x, torch.ones(1, 1, dim), torch.zeros(1, 1, dim), empty, empty,
+                             torch.ones(1, 1, 1, 1, dtype=torch.bool))
+            torch.testing.assert_close(out.view(-1), states[index + 1].view(-1), rtol=1e-4, atol=1e-4)
+
+
+def trained_like_gemma3_layers():
+    """A tiny Gemma 3 whose norms are far from their init (1 + w with w != 0), so a copy that ignored the
+    offset or dropped a norm would compute something else."""
+    target = tiny_target("gemma3", vocab_size=64)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in target.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.copy_(torch.rand(parameter.shape, generator=generator) - 0.5)
+    return target
+
+
 def test_gradient_checkpointing_trains_as_the_plain_run(tmp_path):
     """``--gradient-checkpointing``: the same losses step for step as without it (only memory and time differ)."""
     plain = make_trainer(tmp_path / "plain", steps=3)

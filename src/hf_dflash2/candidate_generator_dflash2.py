@@ -60,7 +60,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
     requires_model_outputs = True
 
     def __init__(self, drafter, target, generation_config, logits_processor=None, tokenizer=None,
-                 stopping_criteria=None):
+                 stopping_criteria=None, prompt_length: int | None = None):
         self.drafter = drafter
         self.target = target
         self.layer_ids = drafter.config.target_layer_ids
@@ -92,6 +92,7 @@ class DFlash2CandidateGenerator(CandidateGenerator):
             reproducible=self.do_sample,
             # calls under other logits processors (a repetition penalty, ...) calibrate apart
             settings_key=tuple(type(p).__qualname__ for p in logits_processor or ()),
+            expected_context=((prompt_length or 0) + (self.max_length or prompt_length or 0)) // 2,  # mid-call
         )
         # Transformers checks stopping criteria once per assisted step, on the sequence's end, so a stop
         # (a stop string, a caller's criterion) reached before a step's last new token goes unseen and the
@@ -219,7 +220,8 @@ def candidate_generator_for(drafter, target, generation_config, logits_processor
         raise ValueError(f"num_beams={generation_config.num_beams}: beam search cannot be combined with a dFlash 2 assistant")
     check_ngram_size(getattr(drafter, "ngram_size", DEFAULT_NGRAM_SIZE), "drafter.ngram_size")
     drafter.bind_target(target)
-    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor, tokenizer, stopping_criteria)
+    return DFlash2CandidateGenerator(drafter, target, generation_config, logits_processor, tokenizer, stopping_criteria,
+                                     prompt_length=None if input_ids is None else input_ids.shape[1])
 
 
 SUPPORTED_TRANSFORMERS = "transformers>=5.20,<6"

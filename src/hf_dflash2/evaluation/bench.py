@@ -112,6 +112,9 @@ def load_reference_head(folder, target):
     on its device), or a string saying why it cannot run."""
     if folder is None:
         return "no dFlash 2 head"
+    dflash_config = json.loads((Path(folder) / "config.json").read_text()).get("dflash_config", {})
+    if dflash_config.get("sandwich_norms"):  # it would load, drop those norms and draft something else
+        return "the reference's Qwen3 layers have no sandwich norms (a Gemma-style head)"
     try:
         from dflash.model import DFlash2DraftModel as ReferenceHead
     except ImportError:
@@ -244,14 +247,18 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     torch.manual_seed(args.seed)
     methods = args.methods.split(",")
     parse_chat_template(args.chat_template)  # before any model load
+    from ..assets import offline_target
+
     heads_paths = {}
-    for name, given, committed in (("dflash2", args.head, "smollm2-135m-dflash2"),
-                                   ("dflash1", args.dflash1_head, "smollm2-135m-dflash1")):
+    offline = offline_target(args.target)  # an offline target's committed heads are the default ones
+    committed_dflash2 = offline.head if offline else None
+    committed_dflash1 = "smollm2-135m-dflash1" if offline and offline.head == "smollm2-135m-dflash2" else None
+    for name, given, committed in (("dflash2", args.head, committed_dflash2),
+                                   ("dflash1", args.dflash1_head, committed_dflash1)):
         if given and not (Path(given) / "config.json").is_file():  # a typo must not turn into "no head"
             raise SystemExit(f"--{'head' if name == 'dflash2' else 'dflash1-head'} {given}: no head there "
                              "(no config.json)")
-        # the committed heads are SmolLM2-135M-Instruct's: another --target gets only the heads it is given
-        folder = given or (default_head(committed) if args.target is None else None)
+        folder = given or (default_head(committed) if committed else None)
         if folder:
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
@@ -374,20 +381,23 @@ def fastest_baseline(per_method: dict) -> str | None:
 
 def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1) -> dict | None:
     """What the loop's runs could reach at most: tau / (c_d * drafted + v), where tau is tokens per row and
-    target forward, c_d a draft pass and v the verifies it chose (from the cost model the loop decided with),
-    each over ``step_seconds`` (a plain step of the baseline: its seconds per token times the batch), and
-    ``drafted`` the share of rounds that ran a draft pass. None without the counts or the cost model."""
+    target forward, c_d a draft pass and v the verifies it chose (each run's from the cost model it decided
+    with, timed near its own context), each over ``step_seconds`` (a plain step of the baseline: its seconds
+    per token times the batch), and ``drafted`` the share of rounds that ran a draft pass. None without the
+    counts or the cost models."""
     forwards = sum(s.get("verify_forwards", 0) for s in stats_list)
-    costs = next((s["costs"] for s in stats_list if s.get("costs")), None)
-    if not forwards or costs is None or step_seconds <= 0:
+    if not forwards or step_seconds <= 0 or not all(s.get("costs") for s in stats_list):
         return None
-    verify_seconds = costs["verify_seconds"]
-    histogram = [sum(counts) for counts in zip(*(s["verify_length_histogram"] for s in stats_list))]
-    verify_mean = (sum(n * verify_seconds[min(k, len(verify_seconds) - 1)] for k, n in enumerate(histogram))
-                   / max(sum(histogram), 1))
+    draft_passes = sum(s.get("draft_passes", 0) for s in stats_list)
+    draft_seconds = verify_seconds = 0.0
+    for stats in stats_list:
+        costs = stats["costs"]["verify_seconds"]
+        draft_seconds += stats.get("draft_passes", 0) * stats["costs"]["draft_seconds"]
+        verify_seconds += sum(n * costs[min(k, len(costs) - 1)] for k, n in enumerate(stats["verify_length_histogram"]))
     tau = sum(s["committed"] for s in stats_list) / forwards / batch_size
-    drafted = sum(s.get("draft_passes", 0) for s in stats_list) / forwards
-    c_d, v = costs["draft_seconds"] / step_seconds, verify_mean / step_seconds
+    drafted = draft_passes / forwards
+    c_d = draft_seconds / max(draft_passes, 1) / step_seconds
+    v = verify_seconds / max(sum(sum(s["verify_length_histogram"]) for s in stats_list), 1) / step_seconds
     return {"tau": tau, "c_d": c_d, "drafted_share": drafted, "v": v, "bound": tau / (c_d * drafted + v)}
 
 

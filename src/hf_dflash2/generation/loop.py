@@ -501,7 +501,8 @@ def speculative_generate(
                           f"{running_attention!r} (packed_attention={packed_attention}): its verify costs may be off",
                           stacklevel=2)
         policy = verify_policy_for(target, drafter, n_rows, block_size, adaptive, verify_policy, cost_model,
-                                   reproducible=do_sample, settings_key=settings_key)
+                                   reproducible=do_sample, settings_key=settings_key,
+                                   expected_context=input_ids.shape[1] + max_new_tokens // 2)
         stats.costs = policy.cost.as_dict() if isinstance(getattr(policy, "cost", None), CostModel) else None
 
         if attention_mask is None:

@@ -19,12 +19,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..assets import TARGET_HELP
 from ..prompts import CHAT_TEMPLATE_HELP, chat_template_argument
 from .regenerate import RegenerationConfig
 from .trainer import TrainingConfig
 
 PRECISION_HELP = "auto (default): bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32 / fp16"
-TARGET_HELP = "target folder or Hub id (default: offline SmolLM2-135M-Instruct)"
 GGUF_FILE_HELP = "GGUF file inside --target"
 PHASE_KEYS = ("name",)  # a phase's own keys, beside TrainSettings' fields
 RECIPE_KEYS = ("phases",)  # a recipe's own keys, beside TrainSettings' fields

@@ -318,10 +318,16 @@ class RunState:
 
 
 def run_identity(settings: DistillSettings) -> dict:
-    target = settings.target
+    """What fixes a run: the target (an offline name as the folder it stands for, so both spellings continue the
+    same run), the template and the recipe's ``IDENTITY_FIELDS``."""
+    from ..assets import offline_target, resolve_target
+
+    target, gguf_file = settings.target, settings.gguf_file
+    if settings.target is not None and offline_target(settings.target) is not None:
+        target, gguf_file = resolve_target(settings.target, settings.gguf_file)
     if target is not None and Path(target).exists():
         target = str(Path(target).resolve())
-    return {"target": target, "gguf_file": settings.gguf_file, "chat_template": settings.chat_template,
+    return {"target": target, "gguf_file": gguf_file, "chat_template": settings.chat_template,
             **{name: getattr(settings.recipe, name) for name in IDENTITY_FIELDS}}
 
 
@@ -930,12 +936,15 @@ def load_checked_target(settings: DistillSettings, recipe: DistillRecipe):
     two-layer model), then the loaded model. Nothing is written."""
     from transformers import AutoConfig
 
-    from ..assets import load_target, smollm2_location
+    from ..assets import load_target, resolve_target
     from ..prompts import apply_chat_template_option, parse_chat_template
 
     parse_chat_template(settings.chat_template)
     name = settings.target or "SmolLM2-135M-Instruct (offline GGUF)"
-    location, gguf = (settings.target, settings.gguf_file) if settings.target else smollm2_location()
+    try:
+        location, gguf = resolve_target(settings.target, settings.gguf_file)
+    except ValueError as error:
+        raise DistillError(f"target {name}: {error}") from None
     try:
         config = AutoConfig.from_pretrained(location, **({"gguf_file": gguf} if gguf else {}))
     except (OSError, ValueError) as error:
@@ -1144,7 +1153,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             trainer.load_checkpoint()
         from .export import thin_history
 
-        base_model = settings.base_model or state.data["identity"]["target"] or _smollm2_hub_id()
+        base_model = settings.base_model or _offline_hub_id(settings.target) or state.data["identity"]["target"]
         export_head(trainer, head_folder, base_model)
         recipe_json = training_recipe(state, trainer, recipe, store)
         (head_folder / "training_recipe.json").write_text(json.dumps(recipe_json, indent=1) + "\n")
@@ -1218,10 +1227,11 @@ def _checkpoint_planned_steps(folder: Path) -> int | None:
     return state["config"]["steps"]
 
 
-def _smollm2_hub_id() -> str:
-    from ..assets import SMOLLM2_HUB_ID
+def _offline_hub_id(target: str | None) -> str | None:
+    from ..assets import offline_target
 
-    return SMOLLM2_HUB_ID
+    offline = offline_target(target)
+    return offline.hub_id if offline else None
 
 
 # ============================================================================ command line
