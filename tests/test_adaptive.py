@@ -455,3 +455,41 @@ def test_no_draft_pass_when_no_row_has_room_and_trees_stay_greedy_near_the_budge
         assert torch.equal(out.sequences[0, 6:], alone[:budget]), budget
         if budget == 2:
             assert oracle.calls == 0 and out.stats.verify_length_histogram[0] == out.stats.rounds == 1
+
+
+def test_the_drafters_context_is_projected_once_when_a_draft_reads_it():
+    """Rounds of plain steps add no drafter work: appended features wait until a draft pass reads ``kv``, then
+    every pending slot is projected in one call, a cropped (rejected) tail never is, and the K/V equal those of
+    projecting each round's kept slots as it came."""
+    from hf_dflash2.speculative_dflash2 import DraftContext
+
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=4)
+    features_size = len(drafter.config.target_layer_ids) * target.config.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    rounds = [torch.randn(2, width, features_size, generator=generator) for width in (5, 1, 3, 1, 2)]
+    calls = []
+    project = drafter.project_context
+    drafter.project_context = lambda features: calls.append(features.shape[1]) or project(features)
+    context = DraftContext(drafter, 2, 8, "cpu")
+    kept, position = [], 0
+    for index, features in enumerate(rounds):
+        width = features.shape[1]
+        context.append(features, torch.arange(position, position + width).expand(2, -1))
+        position += width
+        if index == 2:  # the verify's last two slots were rejected
+            context.crop(2)
+            position -= 2
+            features = features[:, :1]
+        kept.append(features)
+    assert calls == []  # plain steps: nothing projected yet
+    lazy = context.kv
+    assert calls == [position] and context.length == position == 10
+    assert context.kv is not None and calls == [position]  # read again: nothing more to project
+    eager = drafter.context_kv(project(torch.cat(kept, dim=1)), torch.arange(position).expand(2, -1))
+    for (k, v), (k_ref, v_ref) in zip(lazy, eager):
+        torch.testing.assert_close(k, k_ref)
+        torch.testing.assert_close(v, v_ref)
+    context.crop(3)  # a crop of projected slots, then new ones: only the new ones are projected
+    context.append(rounds[0][:, :2], torch.arange(7, 9).expand(2, -1))
+    assert context.kv[0][0].shape[2] == 9 and calls == [position, 2]

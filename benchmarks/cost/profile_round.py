@@ -9,6 +9,12 @@ round has the same shape) under ``torch.profiler`` and reports, per round: the l
 the most self time. A fresh head by default (tau ~ 1: one token per round). Writes
 benchmarks/results/<cpu kind>/profile_round_<dtype>_b<B>.{json,md}.
 
+``--bound SET``: the default loop as a user calls it (kernels chosen per forward, the committed head) on the
+prompts of SET (humaneval, mtbench, longctx; ``--limit``), where it runs below its bound: per prompt, the
+wall time per round beside what the cost model predicts for the forwards it ran (the bound's own
+arithmetic), and, under the profiler, the time in the draft pass, the verify forward and everything else
+(plan, accept, commit, context, and what no phase covers). Writes profile_round_bound_<set>.{json,md}.
+
 ``--trees``: the default loop instead (adaptive policy, n-gram drafts, block widened to 16), profiled
 once with draft trees and once without (``draft_tree=False``), phases per round side by side (plus
 ``dflash2::plan``, the policy's choice); writes benchmarks/results/<cpu kind>/profile_round_<dtype>_trees.{json,md}.
@@ -42,7 +48,11 @@ def main() -> None:
     parser.add_argument("--head", default=None, help="a trained head folder (default: a fresh head)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--trees", action="store_true", help="the default loop with and without draft trees")
+    parser.add_argument("--bound", metavar="SET", help="the default loop against its bound on this prompt set")
+    parser.add_argument("--limit", type=int, default=6, help="with --bound: prompts of the set")
     args = parser.parse_args()
+    if args.bound:
+        return against_bound(args)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target, tokenizer = load_target()
     target.to(dtype)
@@ -88,6 +98,54 @@ def write_results(stem: str, header: str, body: str, payload: dict) -> None:
     (results_dir() / f"{stem}.md").write_text(text)
     command = "python benchmarks/cost/profile_round.py " + " ".join(sys.argv[1:])
     print(f"written {save(stem, {'command': command, 'header': header, **payload})}")
+
+
+def against_bound(args) -> None:
+    import time
+
+    from hf_dflash2.assets import load_prompt_set
+    from hf_dflash2.prompts import default_head, load_head
+
+    target, tokenizer = load_target()
+    head = load_head(args.head or default_head(), target)
+    rows = []
+    for index, prompt in enumerate(load_prompt_set(args.bound, args.limit)):
+        ids = encode_prompt(tokenizer, prompt, "cpu")
+        run = dict(max_new_tokens=args.new_tokens, do_sample=False)
+        with torch.no_grad():
+            speculative_generate(target, head, ids, **run)  # warm-up: kernels probed, cost model cached
+            started = time.perf_counter()
+            plain = speculative_generate(target, head, ids, **run)
+            wall = time.perf_counter() - started
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                started = time.perf_counter()
+                profiled = speculative_generate(target, head, ids, **run)
+                profiled_wall = time.perf_counter() - started
+        stats = plain.stats
+        costs = stats.costs
+        modeled = stats.draft_passes * costs["draft_seconds"] + sum(
+            n * costs["verify_seconds"][min(k, len(costs["verify_seconds"]) - 1)]
+            for k, n in enumerate(stats.verify_length_histogram))
+        phases = {e.key.removeprefix("dflash2::"): e.cpu_time_total / 1e6 for e in prof.key_averages()
+                  if e.key in PHASES}
+        forwards = profiled.stats.verify_forwards
+        row = {"prompt": index, "prompt_tokens": ids.shape[1], "tau": round(stats.acceptance_length, 2),
+               "rounds": stats.verify_forwards, "draft_passes": stats.draft_passes,
+               "ms_per_round": round(1e3 * wall / stats.verify_forwards, 1),
+               "modeled_ms_per_round": round(1e3 * modeled / stats.verify_forwards, 1),
+               "modeled_share": round(modeled / wall, 2)}
+        for phase in ("draft", "verify", "plan", "accept", "context", "ngram"):
+            row[f"{phase}_ms"] = round(1e3 * phases.get(phase, 0.0) / forwards, 1)
+        row["unlabelled_ms"] = round(1e3 * (profiled_wall - sum(phases.values())) / forwards, 1)
+        row["outside_forwards"] = round(1 - (phases.get("draft", 0) + phases.get("verify", 0)) / profiled_wall, 2)
+        rows.append(row)
+        print(row, flush=True)
+    header = (f"The default loop against its bound: SmolLM2-135M-Instruct, the committed head, {args.bound} "
+              f"(first {args.limit}), {args.new_tokens} new tokens, greedy, {torch.get_num_threads()} threads. "
+              "ms_per_round: wall clock without the profiler; modeled: the cost model's draft and verify seconds "
+              "for the forwards the call ran (the bound's arithmetic); the phase columns: under the profiler, "
+              "ms per round; outside_forwards: the profiled wall's share not in a draft pass or a verify forward.")
+    write_results(f"profile_round_bound_{args.bound}", header, table(rows, list(rows[0])), {"rows": rows})
 
 
 def compare_trees(target, head, ids, args) -> None:

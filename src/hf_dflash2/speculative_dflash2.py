@@ -349,13 +349,19 @@ class DraftContext:
     another stays as a masked hole (``valid`` False). Buffers are preallocated for ``capacity`` slots
     (doubled only if a call outgrows them), so a round writes in place instead of concatenating.
 
+    The K/V of appended features are projected when a draft pass next reads ``kv``, all pending slots in
+    one projection: rounds that run plain steps (a head that does not pay) add no drafter work, and a
+    verify's rejected tail, cropped before the next draft, is never projected.
+
     kv: per drafter layer (k, v) [N, kv_heads, T, head_dim]; valid: [N, T] bool; positions: [N, T] long.
     """
 
     def __init__(self, drafter, n_rows: int, capacity: int, device: torch.device | str):
         self.drafter = drafter
         self.length = 0
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first append
+        self._kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # allocated on the first projection
+        self._projected = 0  # slots [0, _projected) hold their K/V; the rest are in _pending
+        self._pending: list[torch.Tensor] = []  # features [N, L, taps * H] of slots _projected.., in order
         self._valid = torch.zeros(n_rows, capacity, dtype=torch.bool, device=device)
         self._positions = torch.zeros(n_rows, capacity, dtype=torch.long, device=device)
 
@@ -365,6 +371,7 @@ class DraftContext:
 
     @property
     def kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        self._project_pending()
         return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self._kv]
 
     @property
@@ -394,26 +401,43 @@ class DraftContext:
 
     def append(self, features: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """features: [N, L, taps * H] tapped target features; positions: [N, L]; valid: [N, L] bool (None: all)."""
-        new_kv = self.drafter.context_kv(self.drafter.project_context(features), positions)
         start, end = self.length, self.length + features.shape[1]
         self._reserve(end)
+        self._pending.append(features)
+        self._valid[:, start:end] = True if valid is None else valid
+        self._positions[:, start:end] = positions
+        self.length = end
+
+    def _project_pending(self) -> None:
+        if not self._pending:
+            return
+        features = self._pending[0] if len(self._pending) == 1 else torch.cat(self._pending, dim=1)
+        start, end = self._projected, self._projected + features.shape[1]
+        new_kv = self.drafter.context_kv(self.drafter.project_context(features), self._positions[:, start:end])
         if self._kv is None:
             self._kv = [(k.new_zeros(*k.shape[:2], self.capacity, k.shape[3]),
                          v.new_zeros(*v.shape[:2], self.capacity, v.shape[3])) for k, v in new_kv]
         for (k_buffer, v_buffer), (k, v) in zip(self._kv, new_kv):
             k_buffer[:, :, start:end] = k
             v_buffer[:, :, start:end] = v
-        self._valid[:, start:end] = True if valid is None else valid
-        self._positions[:, start:end] = positions
-        self.length = end
+        self._pending, self._projected = [], end
 
     def crop(self, drop: int) -> None:
         """Forget the last ``drop`` slots (as ``DynamicCache.crop(-drop)`` does for the target)."""
         self.length -= drop
+        if self._projected > self.length:
+            self._projected = self.length
+        excess = self._projected + sum(f.shape[1] for f in self._pending) - self.length
+        while excess > 0:  # the dropped slots that were never projected
+            last = self._pending.pop()
+            if last.shape[1] > excess:
+                self._pending.append(last[:, : last.shape[1] - excess])
+            excess -= last.shape[1]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows ([n] indices), e.g. once other rows have finished."""
         self._valid, self._positions = self._valid[rows], self._positions[rows]
+        self._pending = [features[rows] for features in self._pending]
         if self._kv is not None:
             self._kv = [(k[rows], v[rows]) for k, v in self._kv]
 
