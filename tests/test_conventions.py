@@ -170,7 +170,12 @@ def test_repository_heads_hold_no_code_and_load_with_the_package():
 
     from .conftest import REPO
 
-    for head in sorted((REPO / "heads").iterdir()):
+    import subprocess
+
+    # the committed heads; a head built here (make distill-gemma3, git-ignored) is a full saved head, code and all
+    tracked = subprocess.run(["git", "ls-files", "heads"], cwd=REPO, capture_output=True, text=True)
+    names = {line.split("/")[1] for line in tracked.stdout.splitlines()} if tracked.returncode == 0 else None
+    for head in sorted(h for h in (REPO / "heads").iterdir() if names is None or h.name in names):
         assert not list(head.rglob("*.py")), f"{head} holds a copy of the code"
         drafter = DFlash2DraftModel.from_pretrained(head)
         assert drafter.config.num_target_layers == 30 and drafter.draft_vocab is not None

@@ -231,6 +231,25 @@ def test_model_card_without_results_or_base_model(tmp_path):
     assert (REPO / "src" / "hf_dflash2" / "model_cards" / "dflash2_head.md").exists()
 
 
+def test_a_gemma_base_model_heads_card_shows_plain_text_and_no_engine_it_cannot_run_on(tmp_path):
+    """A head with Gemma's sandwich norms is not servable by vLLM or SGLang (Qwen3 layers), and a head distilled
+    on a base model's plain continuations is used with plain text, not a chat template it does not have."""
+    head = tmp_path / "head"
+    head.mkdir()
+    config = {"hidden_size": 64, "num_hidden_layers": 1,
+              "dflash_config": {"block_size": 8, "target_layer_ids": [1, 2], "sandwich_norms": True}}
+    (head / "config.json").write_text(json.dumps(config))
+    (head / "training_recipe.json").write_text(json.dumps({"chat_template_used": "plain"}))
+    card = render_model_card(head, "me/head", base_model="google/gemma-3-270m")
+    assert "vllm serve" not in card and "sglang.launch_server" not in card and "cannot serve it" in card
+    assert 'tokenizer("def quicksort(items):"' in card and "apply_chat_template" not in card
+    (head / "training_recipe.json").write_text(json.dumps({"chat_template_used": "tokenizer"}))
+    config["dflash_config"].pop("sandwich_norms")
+    (head / "config.json").write_text(json.dumps(config))
+    card = render_model_card(head, "me/head", base_model="org/target")
+    assert "vllm serve org/target" in card and "apply_chat_template" in card
+
+
 def test_dry_run_writes_what_would_be_uploaded_without_token_or_network(built, hub, monkeypatch, tmp_path, capsys):
     from transformers import AutoModel
 

@@ -213,6 +213,30 @@ def _recipe_section(head_folder: Path) -> str:
     return "\n".join(lines) if lines else "`training_recipe.json` is empty."
 
 
+def _inputs_code(head_folder: Path) -> str:
+    """The usage example's prompt: a chat turn, or plain text for a head distilled on a base model's own
+    continuations (its ``training_recipe.json`` says the run had no chat template)."""
+    recipe_path = head_folder / "training_recipe.json"
+    if recipe_path.exists() and _read_json(recipe_path).get("chat_template_used") == "plain":
+        return 'inputs = tokenizer("def quicksort(items):", return_tensors="pt").to(target.device)'
+    return ('inputs = tokenizer.apply_chat_template(\n'
+            '    [{"role": "user", "content": "Write a quicksort in Python."}],\n'
+            '    add_generation_prompt=True, return_tensors="pt", return_dict=True,\n'
+            ').to(target.device)')
+
+
+def _serving_section(dflash: dict, target: str, repo_id: str, speculative_tokens: int) -> str:
+    """vLLM and SGLang serve the published (Qwen3-layer) format; a head with Gemma's sandwich norms is ours only."""
+    if dflash.get("sandwich_norms"):
+        return ("This head's layers norm each sublayer's output, as its Gemma target's do "
+                "(`dflash_config.sandwich_norms`). vLLM's and SGLang's DFlash drafters have Qwen3 layers and cannot "
+                "serve it: use `hf_dflash2` (above, or `hf_dflash2.speculative_generate`).")
+    return (f"vLLM:\n\n```bash\nvllm serve {target} --speculative-config '{{\"method\": \"dflash\", \"model\": "
+            f"\"{repo_id}\", \"num_speculative_tokens\": {speculative_tokens}}}'\n```\n\nSGLang:\n\n```bash\n"
+            f"python -m sglang.launch_server --model {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {repo_id}\n```")
+
+
 def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
     if results:
         for key in ("train_datasets", "training_datasets"):
@@ -327,6 +351,9 @@ def render_model_card(
         "hidden_size": config.get("hidden_size", "–"),
         "results_section": _results_section(results),
         "recipe_section": _recipe_section(head_folder),
+        "inputs_code": _inputs_code(head_folder),
+        "serving_section": _serving_section(dflash, base if base != "unknown" else "YOUR_TARGET_MODEL", repo_id,
+                                            block_size - 1),
     }
     return Template(text).substitute(values)
 

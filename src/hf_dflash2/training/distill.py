@@ -779,8 +779,11 @@ def training_recipe(state: RunState, trainer, recipe: DistillRecipe, store) -> d
         "seed": config.seed,
         "initialized_from": trainer.initialized_from,
         "data": f"feature store of {store.num_tokens:,} target tokens ({len(store):,} sequences): the target's own "
-                "greedy responses to ShareGPT first turns and a prefill over other ShareGPT exchanges "
-                "(MT-Bench and HumanEval prompts removed)",
+                "greedy responses to ShareGPT first turns"
+                + (f" and, for {recipe.code_share:.0%} of the prompts, to completions of the Python standard "
+                   "library's documented functions" if recipe.code_share else "")
+                + " and a prefill over other ShareGPT exchanges (MT-Bench and HumanEval prompts removed)",
+        "chat_template_used": state.data.get("chat_template_used"),
         "datasets": CARD_DATASETS,
         "budget": format_seconds(plan["budget_seconds"]),
         "rates": state.data.get("rates"),
