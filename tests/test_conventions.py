@@ -166,11 +166,11 @@ def test_hook_refuses_a_changed_private_signature():
 
 
 def test_repository_heads_hold_no_code_and_load_with_the_package():
+    import subprocess
+
     from hf_dflash2 import DFlash2DraftModel
 
     from .conftest import REPO
-
-    import subprocess
 
     # the committed heads; a head built here (make distill-gemma3, git-ignored) is a full saved head, code and all
     tracked = subprocess.run(["git", "ls-files", "heads"], cwd=REPO, capture_output=True, text=True)
