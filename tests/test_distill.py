@@ -313,15 +313,17 @@ def assert_same_weights(a: dict, b: dict) -> None:
 def uninterrupted(tmp_path_factory, sharegpt):
     root = tmp_path_factory.mktemp("uninterrupted")
     target_dir = save_target(root / "target", "llama")
+    # module-scoped: set up before the per-test patch of the default code source, so named here as in the others
     distill(DistillSettings(output=str(root / "run"), target=str(target_dir), budget="20s", sharegpt=str(sharegpt),
-                            progress=False, recipe=tiny_recipe(**FIXED), stop_after="export"))
+                            progress=False, recipe=tiny_recipe(**FIXED), stop_after="export",
+                            code_source=str(CODE_SOURCE)))
     return target_dir, root / "run"
 
 
 def test_a_run_stopped_after_its_store_continues_to_the_same_head(tmp_path, sharegpt, uninterrupted):
     target_dir, reference = uninterrupted
     settings = dict(output=str(tmp_path / "run"), target=str(target_dir), budget="20s", sharegpt=str(sharegpt),
-                    progress=False, recipe=tiny_recipe(**FIXED))
+                    progress=False, recipe=tiny_recipe(**FIXED), code_source=str(CODE_SOURCE))
     first = distill(DistillSettings(**settings, stop_after="store"))
     assert set(first["done"]) == {"store"} and not (tmp_path / "run" / "trunk").exists()
     second = distill(DistillSettings(**settings, stop_after="export"))
