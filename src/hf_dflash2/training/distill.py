@@ -995,7 +995,7 @@ def load_checked_target(settings: DistillSettings, recipe: DistillRecipe):
         raise DistillError(f"target {name}: cannot read its config ({type(error).__name__}: {error})") from None
     check_target_config(config, name, recipe)
     try:
-        target, tokenizer = load_target(settings.target, settings.gguf_file, dtype=torch.float32)
+        target, tokenizer = load_target(location, gguf, dtype=torch.float32)
     except (OSError, ValueError) as error:
         raise DistillError(f"target {name}: cannot load it as a causal LM ({type(error).__name__}: {error})") from None
     layer_ids = target_layer_ids(target.config, recipe)
