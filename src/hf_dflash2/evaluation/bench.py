@@ -24,7 +24,8 @@ Per method and prompt set: tau (mean tokens per target forward) and per-position
 (median over prompts), speedup over the baseline (ratio of medians of per-prompt wall time per token), the
 speedup on every single prompt and the worst of them, and the spread of wall time per prompt. For the fast
 loop also the bound it can reach (``speed_bound``): c_d (a draft pass / a plain step of the baseline), v (the
-verifies it chose / a plain step) and tau / (c_d * drafted share + v). Greedy runs also report on how many
+verifies it chose / a plain step), tau / (c_d * drafted share + v) over the decoding, and the same over a whole
+call, the baseline's prefill of the prompt included (long prompts spend much of a call there). Greedy runs also report on how many
 prompts the text of a method's median run equals the baseline's, and the speedup over those prompts alone
 (fp32: every text equals it). Output: JSON + Markdown table + PNG chart in ``--output``.
 """
@@ -186,6 +187,15 @@ class Runner:
         return None
 
     @torch.no_grad()
+    def prefill_seconds(self, method: str, ids: torch.Tensor, mask: torch.Tensor) -> float:
+        """Wall time of a plain configuration's (``PLAIN_KERNELS``) forward over the prompts, as ``generate``'s
+        first step runs it: what every method pays once before decoding."""
+        with ForwardKernels(self.target, None, ids.shape[0], 1, PLAIN_KERNELS[method]):
+            started = time.perf_counter()
+            self.target(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            return time.perf_counter() - started
+
+    @torch.no_grad()
     def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor):
         from ..generation import speculative_generate
 
@@ -312,6 +322,10 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
                     if stats is not None:
                         per_method[method].setdefault("stats_list", []).append(stats.as_dict())
                     progress.update(1)
+            for method in BASELINE_METHODS:  # the prefill both sides pay, for the bound over a whole call
+                if method in per_method:
+                    per_method[method].setdefault("prefill_seconds", []).append(
+                        runner.prefill_seconds(method, ids, mask))
             add_prompt(per_method, runs, compare_texts=not runner.sample)
         report["datasets"][name] = summarize(per_method, args.batch_size)
     progress.close()
@@ -382,12 +396,15 @@ def fastest_baseline(per_method: dict) -> str | None:
     return min(timed, key=timed.get) if timed else None
 
 
-def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1) -> dict | None:
-    """What the loop's runs could reach at most: tau / (c_d * drafted + v), where tau is tokens per row and
-    target forward, c_d a draft pass and v the verifies it chose (each run's from the cost model it decided
-    with, timed near its own context), each over ``step_seconds`` (a plain step of the baseline: its seconds
-    per token times the batch), and ``drafted`` the share of rounds that ran a draft pass. None without the
-    counts or the cost models."""
+def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1,
+                prefill_seconds: float = 0.0) -> dict | None:
+    """What the loop's runs could reach at most: tau / (c_d * drafted + v) over the decoding (``decode_bound``),
+    where tau is tokens per row and target forward, c_d a draft pass and v the verifies it chose (each run's
+    from the cost model it decided with, timed near its own context), each over ``step_seconds`` (a plain step
+    of the baseline: its seconds per token times the batch), and ``drafted`` the share of rounds that ran a
+    draft pass. ``bound`` is the same over a whole call: the prompt's prefill (``prefill_seconds``, the
+    baseline's, per call), which both sides pay once, plus the decoding, (P + D) / (P + D / decode_bound). None
+    without the counts or the cost models."""
     forwards = sum(s.get("verify_forwards", 0) for s in stats_list)
     if not forwards or step_seconds <= 0 or not all(s.get("costs") for s in stats_list):
         return None
@@ -401,7 +418,11 @@ def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1
     drafted = draft_passes / forwards
     c_d = draft_seconds / max(draft_passes, 1) / step_seconds
     v = verify_seconds / max(sum(sum(s["verify_length_histogram"]) for s in stats_list), 1) / step_seconds
-    return {"tau": tau, "c_d": c_d, "drafted_share": drafted, "v": v, "bound": tau / (c_d * drafted + v)}
+    decode_bound = tau / (c_d * drafted + v)
+    decode = sum(s["committed"] for s in stats_list) / len(stats_list) * step_seconds / batch_size  # per call
+    bound = (prefill_seconds + decode) / (prefill_seconds + decode / decode_bound)
+    return {"tau": tau, "c_d": c_d, "drafted_share": drafted, "v": v, "decode_bound": decode_bound,
+            "prefill_share": prefill_seconds / (prefill_seconds + decode), "bound": bound}
 
 
 def summarize(per_method: dict, batch_size: int = 1) -> dict:
@@ -456,7 +477,9 @@ def summarize(per_method: dict, batch_size: int = 1) -> dict:
                 entry["drafted_share_per_prompt"] = [
                     sum(s.get("draft_passes", 0) for s in c) / max(1, sum(s.get("verify_forwards", 0) for s in c))
                     for c in chunks]
-            bound = speed_bound(stats_list, base_spt * batch_size, batch_size) if base_spt else None
+            prefills = per_method[baseline].get("prefill_seconds") if baseline else None
+            prefill = statistics.mean(prefills) if prefills else 0.0
+            bound = speed_bound(stats_list, base_spt * batch_size, batch_size, prefill) if base_spt else None
             if bound is not None:
                 bound["share_reached"] = entry["speedup_vs_ar"] / bound["bound"]
                 entry["speed_bound"] = bound
@@ -478,26 +501,30 @@ def markdown_table(report: dict) -> str:
                         if (repeats := report["settings"].get("repeats", 1)) > 1 else "") + ")"
                      + (f"; baseline: `{baseline}`, the fastest plain generate here" if baseline else "") + "\n")
         lines.append("| method | tau | tokens/s (median) | speedup | worst prompt | vs as loaded | c_d | v | bound "
-                     "| of bound | s/prompt median [min, max] | acceptance pos 1..4 | text = AR's | speedup where text = AR's |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+                     "| with prefill | of bound | s/prompt median [min, max] | acceptance pos 1..4 | text = AR's "
+                     "| speedup where text = AR's |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for method, e in methods.items():
             tau = f"{e['tau']:.2f}" if e.get("tau") else "-"
             accept = ", ".join(f"{a:.2f}" for a in (e.get("per_position_acceptance") or [])[:4]) or "-"
             same = f"{e['same_text_as_ar']}/{e['prompts']}" if "same_text_as_ar" in e else "-"
             bound = e.get("speed_bound")
-            c_d, v, limit, share = ((f"{bound['c_d']:.2f}", f"{bound['v']:.2f}", _ratio(bound["bound"]),
-                                     f"{100 * bound['share_reached']:.0f} %") if bound else ("-",) * 4)
+            c_d, v, decode_limit, limit, share = (
+                (f"{bound['c_d']:.2f}", f"{bound['v']:.2f}", _ratio(bound.get("decode_bound", bound["bound"])),
+                 _ratio(bound["bound"]), f"{100 * bound['share_reached']:.0f} %") if bound else ("-",) * 5)
             lines.append(f"| {method}{' (baseline)' if e.get('is_baseline') else ''} | {tau} | "
                          f"{e['tokens_per_s_median']:.1f} | {_ratio(e.get('speedup_vs_ar'))} | "
                          f"{_ratio(e.get('speedup_worst_prompt'))} | {_ratio(e.get('speedup_vs_as_loaded'))} | "
-                         f"{c_d} | {v} | {limit} | {share} | "
+                         f"{c_d} | {v} | {decode_limit} | {limit} | {share} | "
                          f"{e['seconds_per_prompt_median']:.2f} [{e['seconds_per_prompt_min']:.2f}, "
                          f"{e['seconds_per_prompt_max']:.2f}] | {accept} | {same} | {_ratio(e.get('speedup_vs_ar_same_text'))} |")
         lines.append("")
     lines.append("speedup: over the baseline, the fastest plain `generate` this machine has for the target in this "
                  "dtype (`ar`: as loaded, PyTorch's default linear kernel; `ar_onednn`: oneDNN with packed weights), "
                  "measured in this process, interleaved. vs as loaded: over `ar`. c_d: a draft pass, v: the verifies "
-                 "the loop chose, each over a plain step of the baseline; bound: tau / (c_d x drafted share + v).")
+                 "the loop chose, each over a plain step of the baseline; bound: tau / (c_d x drafted share + v), over the "
+                 "decoding; with prefill: the same over a whole call, (P + D) / (P + D / bound), P the baseline's "
+                 "prefill of the prompt and D its decoding; of bound: the speedup over the bound with prefill.")
     if report["skipped"]:
         lines.append("\nSkipped: " + "; ".join(f"`{m}`: {why}" for m, why in report["skipped"].items()))
     machine = report.get("machine", {})
