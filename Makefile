@@ -32,11 +32,11 @@ setup-gemma3: setup
 demo: setup
 	$(VENV)/bin/hf-dflash2 demo $(PROMPT)
 
-# Everything (5-17 minutes on 2 cores, by CPU kind), lint first.
+# Everything, lint first.
 test: setup lint
 	$(PY) -m pytest -q --durations=15 tests
 
-# The inner loop: skips the tests marked slow (under 3 minutes on 2 cores).
+# The inner loop: skips the tests marked slow.
 test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
@@ -55,7 +55,7 @@ bench: setup $(if $(filter gemma3-270m,$(TARGET)),setup-gemma3)
 
 # The same prompts in fp32, where every greedy method's text equals plain greedy's, so that methods are ranked
 # on equal text (in bf16 texts part at near-ties; see the bench's "text = AR's" column). Transformers' native
-# DFlash path (0.37x in bf16) is left out to save half an hour.
+# DFlash path is left out: far slower than plain generate on a CPU (docs/benchmarks.md), it would double the run.
 bench-fp32: setup
 	$(VENV)/bin/hf-dflash2 bench --sets mtbench,humaneval --limit 8 --max-new-tokens 256 --temperature 0 --batch-size 1 \
 		--repeats 3 --mixed-precision fp32 --methods ar,dflash2_generate,dflash2_fast,dflash2_fast_head,dflash1_fast,prompt_lookup \
@@ -72,8 +72,8 @@ benchmarks: setup
 	$(PY) benchmarks/cost/round_cost.py
 	$(PY) benchmarks/training/training_throughput.py
 
-# The Gemma 3 270M head, distilled here (about 1 h 45 min on 2 cores; run it again to continue a stopped run).
-# It is not committed: at 161 MB (vocabulary-sized selector codebooks) it would take the tracked tree past 64 MiB.
+# The Gemma 3 270M head, distilled here within the wall-clock --budget (run it again to continue a stopped run).
+# It is not committed: its vocabulary-sized selector codebooks make it too large to track.
 distill-gemma3: setup-gemma3
 	$(VENV)/bin/hf-dflash2 distill --target gemma3-270m --output runs/gemma3-270m-dflash2 --budget 1h45m
 	rm -rf heads/gemma3-270m-dflash2 && cp -r runs/gemma3-270m-dflash2/head heads/gemma3-270m-dflash2

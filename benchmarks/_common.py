@@ -23,8 +23,8 @@ GREEDY = dict(do_sample=False, top_k=None, top_p=None, temperature=None)
 
 def cpu_kind() -> str:
     """A short name for this CPU's fastest bf16 path, the folder of its results: "amx", "avx512bf16" (AMD:
-    "avx512bf16_zen4" / "_zen5"), "avx512" (AVX-512 without bf16) or "avx2" (this project's machines change
-    kind between sessions, and results of one kind must not overwrite another's)."""
+    "avx512bf16_zen4" / "_zen5"), "avx512" (AVX-512 without bf16) or "avx2" (a checkout may run on CPUs of
+    several kinds, and results of one kind must not overwrite another's)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -1,9 +1,9 @@
-"""Store charts as 256-colour palette PNGs, to keep the tracked tree under the 64 MiB a device call carries.
+"""Store charts as 256-colour palette PNGs, to keep the repository small.
 
     python benchmarks/shrink_pngs.py benchmarks/results/<cpu kind>/some_chart.png [...]
 
-Charts the benchmarks write today are palette PNGs already (`hf_dflash2.charts.save_chart`); this rewrites
-older ones. A file already in palette mode is left alone, and another is rewritten only when the palette
+Charts written through `hf_dflash2.charts.save_chart` are palette PNGs already; this rewrites any other. A
+file already in palette mode is left alone, and another is rewritten only when the palette
 version is smaller, so a second run changes nothing.
 """
 

@@ -91,7 +91,7 @@ def test_cache_is_per_device_dtype_and_shape(pair, tmp_path, monkeypatch):
     target, drafter = pair
     calls = _counting_measure(monkeypatch)
     first = cm.load_or_measure_cost_model(target, drafter, 1, cache_dir=tmp_path)
-    cm._MEMORY.clear()  # as in a new process: only the file can answer
+    cm._COST_MODEL_MEMO.clear()  # as in a new process: only the file can answer
     again = cm.load_or_measure_cost_model(target, drafter, 1, cache_dir=tmp_path)
     assert len(calls) == 1 and again.verify_seconds == first.verify_seconds
     files = list(tmp_path.glob("cost_model-*.json"))
@@ -122,7 +122,7 @@ def test_a_bad_cache_file_is_ignored_with_a_warning(pair, tmp_path, monkeypatch,
     elif content == "KEY-SHORT":
         content = json.dumps({"verify_seconds": [0.01, 0.02], "draft_seconds": 0.01, "key": key})
     path.write_text(content)
-    cm._MEMORY.clear()  # as in a new process: read the file again
+    cm._COST_MODEL_MEMO.clear()  # as in a new process: read the file again
     with pytest.warns(UserWarning, match="ignoring the cost-model cache file"):
         model = cm.load_or_measure_cost_model(target, drafter, 1, cache_dir=tmp_path)
     assert len(calls) == 2 and model.verify_seconds == [0.01, 0.02, 0.03, 0.04]

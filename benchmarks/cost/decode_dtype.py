@@ -62,7 +62,7 @@ def main() -> int:
         "greedy_tok_s": {name: round(args.new_tokens / s, 2) for name, s in seconds.items()},
         "greedy_bf16_over_fp32": seconds["fp32"] / seconds["bf16"],
         "precision_probe_fp32_over_bf16": time_matmul_speedup(),
-        # What `precision auto` now asks for demo and bench: one decoder step's weight reads at 1 and 8 rows.
+        # What `precision auto` asks for demo and bench: one decoder step's weight reads at 1 and 8 rows.
         "decode_probe_fp32_over_bf16": dict(zip((f"M={m}" for m in DECODE_ROWS), time_decode_speedups(config))),
         "linear_fp32_over_bf16": shapes,
     }

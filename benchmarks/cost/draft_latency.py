@@ -3,7 +3,7 @@ with and without conv + selector, batch 1 and 8, fp32 and bf16, on this machine.
 
     python benchmarks/cost/draft_latency.py [--repeats 20]
 
-Goal (issue): conv + selector add <= 10 % to a draft forward. Prints a table, writes
+Goal: conv + selector add <= 10 % to a draft forward. Prints a table, writes
 benchmarks/results/<cpu kind>/draft_latency.json. The target is a random LlamaForCausalLM with SmolLM2's shapes
 (the embedding and LM head are what the drafter borrows), so no download or GGUF is needed.
 """

@@ -163,8 +163,8 @@ def main() -> None:
     fresh = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=128,
                                          target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
     fresh.eval().bind_target(target)
-    # The shipped head's shape (block 8, its 8,192-token draft vocabulary), untrained: a fresh head's draft
-    # pass costs 0.7 of an AR step with the full 49,152-token LM head, 0.12 with the draft vocabulary.
+    # The shipped head's shape (block 8, its 8,192-token draft vocabulary), untrained: with the full LM head a
+    # fresh head's draft pass would cost several times more.
     fresh_shipped = DFlash2DraftModel.for_target(
         target, num_hidden_layers=committed.config.num_hidden_layers, block_size=committed.config.block_size,
         selector_rank=committed.config.dflash_config.get("selector_rank", 128),

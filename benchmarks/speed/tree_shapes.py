@@ -9,7 +9,7 @@ head's top-16 candidates per position, the mean tokens a round commits (1 + the 
 
 - ``chain``: the selector's path, its first min(M, S) tokens (what a linear round verifies);
 - ``chain + runner-ups``: the chain's first kh tokens and M - kh of the next likeliest first tokens
-  (today's layout without the n-gram branch), the split best on average for that set (an upper bound
+  (the loop's tree without its n-gram branch), the split best on average for that set (an upper bound
   for any fixed rule);
 - ``unary best-first``: the M nodes of highest path probability when each position's candidates are
   taken as independent (the unary softmax; what a DFlash-1 head can rank);

@@ -1,11 +1,11 @@
 """Held-out tau pooled over prompt slices, and each head's per-slice difference from a baseline head.
 
-One slice (16 prompts) moves a head's tau by about +-0.1, so a choice made on one or two slices is mostly
-noise, and the slice a head was chosen on flatters it. This pools the ``benchmarks/training/heldout_tau.py`` reports
-of several slices: per head and prompt set, tau over all the slices' rounds (committed tokens / rounds),
-and against ``--baseline`` the mean per-slice difference with its standard error, on the slices both were
-run on. A report's slice is its ``--prompt-slice`` (0 when absent). Held-out tau is deterministic, so a
-head and slice found in two reports must agree; a disagreement is an error, not averaged away.
+One slice (16 prompts) moves a head's tau by several hundredths (docs/training.md), so a choice made on one or two
+slices is mostly noise, and the slice a head was chosen on flatters it. This pools the
+``benchmarks/training/heldout_tau.py`` reports of several slices: per head and prompt set, tau over all the slices'
+rounds (committed tokens / rounds), and against ``--baseline`` the mean per-slice difference with its standard
+error, on the slices both were run on. A report's slice is its ``--prompt-slice`` (0 when absent). Held-out tau is
+deterministic, so a head and slice found in two reports must agree; a disagreement is an error, not averaged away.
 
     python benchmarks/training/heldout_slices.py benchmarks/results/<cpu kind>/heldout_tau_slice[4-9].json \\
         --baseline heads/smollm2-135m-dflash2 --slices 4-9 --output benchmarks/results/<cpu kind>/heldout_slices

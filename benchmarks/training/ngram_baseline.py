@@ -3,7 +3,7 @@
 For each response position t the store holds the token x_t and the target's argmax for x_{t+1}. A drafter's
 position 1 predicts exactly that from the context and the anchor x_t. Counting (x_t -> argmax) over the
 first sequences and scoring on the last ones gives what a bigram table, and a trigram table with back-off
-to it, would get. A trained head should beat both; the previous flagship did not.
+to it, would get. A trained head should beat both (results: docs/training.md).
 
     python benchmarks/training/ngram_baseline.py --store data/store_sharegpt \\
         --output benchmarks/results/<cpu kind>/ngram_baseline.json

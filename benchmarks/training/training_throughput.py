@@ -31,7 +31,7 @@ def peak_rss_mb() -> float:
 
 
 def train_row(args) -> dict:
-    # bf16 matmuls are ~300x slower than fp32 on CPUs without AVX-512-BF16/AMX (this one): measure a small step.
+    # bf16 matmuls are emulated, orders of magnitude slower, on CPUs without AVX-512-BF16/AMX: time a small step.
     precision = args.precision
     steps, batch, anchors = (args.steps, 4, 16) if precision == "no" else (1, 1, 4)
     target, _ = load_target()

@@ -89,8 +89,7 @@ class OfflineTarget:
 
 OFFLINE_TARGETS = {
     "smollm2-135m-instruct": OfflineTarget(smollm2_location, "smollm2-135m-dflash2", SMOLLM2_HUB_ID),
-    # its head is distilled, not committed: at 161 MB (vocabulary-sized selector codebooks) it would take the
-    # tracked tree past 64 MiB
+    # its head is distilled, not committed: its vocabulary-sized selector codebooks make it too large to track
     "gemma3-270m": OfflineTarget(gemma3_location, "gemma3-270m-dflash2", "google/gemma-3-270m",
                                  build_head="make distill-gemma3"),
 }

@@ -280,7 +280,7 @@ def install_generate_hook() -> None:
                 extra["tokenizer"] = tokenizer  # heads saved by early 0.1.0 take no tokenizer
             criteria = _callers_stopping_criteria()
             if criteria is not None and "stopping_criteria" in accepted:
-                extra["stopping_criteria"] = criteria  # nor, a little later, the criteria
+                extra["stopping_criteria"] = criteria  # nor do some heads saved by 0.1.0
             return factory(
                 target=self,
                 generation_config=generation_config,

@@ -1,8 +1,7 @@
 """Charts written as 256-colour palette PNGs.
 
-Matplotlib writes RGBA; a chart has a few dozen colours, so a palette PNG shows the same picture at about a
-third of the size. Every chart the benchmarks commit goes through here, because the tracked tree has to stay
-under the 64 MiB that a device call carries.
+Matplotlib writes RGBA; a chart has a few dozen colours, so a palette PNG shows the same picture in a
+fraction of the size. Every chart the benchmarks commit goes through here, to keep the repository small.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ the same time; ``gain(0) = 0``). Because a verify of 2 tokens costs about one of
 is still checked once made, and each check feeds the calibration: a head whose confidence is calibrated
 too low is not locked out.
 
-The cost model is one measurement, taken once and cached; on a shared CPU one noisy entry (verify(2) at
-1.03 instead of 1.2 steps) flips the decision for every later call. So each call also times its own
+The cost model is one measurement, taken once and cached; on a shared CPU one noisy entry (a verify of
+two timed as cheap as a plain step) flips the decision for every later call. So each call also times its own
 rounds, from one ``wants_draft`` to the next (a plain step, or a drafted round of ``k``), as a ratio to
 what the cost model predicts for that round (the call's first round, which pays one-off set-up, is not
 counted). The median ratios of the last rounds of each kind, each shrunk towards the median of both
@@ -96,10 +96,9 @@ from .speculative_dflash2 import NGRAM_MAX, DraftContext, last_position, tapped_
 
 TREE_ROW = 1 + NGRAM_MAX  # calibration row of draft-tree head nodes, by depth
 
-COST_MODEL_VERSION = 6  # 2: the draft pass lost its LM-head weight copy; 3: drafts within the head's block;
-# 4: keyed by the target's attention implementation (the fast loop runs cpu.attention.packed_gqa_sdpa);
-# 5: at batch > 1 timed with a padding mask, as the loop's forwards run; 6: a cheaper draft pass (a draft
-# vocabulary's LM-head rows on the target LM head's kernel)
+# Cached cost models of another version are measured again: bump it when what a measurement means changes
+# (what each version changed: CHANGELOG.md).
+COST_MODEL_VERSION = 6
 
 
 def monotone_repair(values: Sequence[float]) -> list[float]:
@@ -228,8 +227,8 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     ``padded`` (None: at batch > 1): the forwards carry a 2-D mask with a padded slot, as the loop's do at
     batch > 1 (left-padded prompts, and holes where rows accepted less). Without one, Transformers builds no
     mask for a one-token forward, and an unpacked grouped-query target then runs SDPA's ``enable_gqa`` path,
-    which on CPU in bf16 took 60 ms where the masked path the loop runs took 41 (SmolLM2-135M, batch 8,
-    ``docs/benchmarks.md``), so every ratio to ``verify(1)`` shrank."""
+    which on a CPU is slower than the masked path the loop runs (``docs/benchmarks.md``), so every ratio to
+    ``verify(1)`` would shrink."""
     block_size = block_size or drafter.config.block_size
     device = next(target.parameters()).device
     limit = target.config.get_text_config().max_position_embeddings or context_length + block_size
@@ -287,7 +286,7 @@ def measure_cost_model(target, drafter, batch_size: int = 1, block_size: int | N
     return CostModel(verify_seconds, statistics.median(times[0]), key)
 
 
-_MEMORY: dict[tuple, tuple] = {}  # quick key -> (weakref target, weakref drafter, CostModel)
+_COST_MODEL_MEMO: dict[tuple, tuple] = {}  # memo key -> (weakref target, weakref drafter, CostModel)
 
 
 def _recall(memory: dict, key: tuple, target, drafter):
@@ -313,11 +312,11 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
     block_size = block_size or drafter.config.block_size
     parameter = next(target.parameters())
     vocab = drafter.draft_vocab
-    # Per-call fast path (hashing configs costs milliseconds): the same objects, dtype, device and shape.
-    quick = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
+    # Per-call fast path, without hashing configs: the same objects, dtype, device and shape.
+    memo_key = (id(target), id(drafter), parameter.dtype, parameter.device, torch.get_num_threads(), batch_size,
              block_size, context_length, None if vocab is None else vocab.numel(), str(cache_dir or cost_cache_dir()),
              linear_kernel_of(target), linear_kernel_of(drafter), getattr(target.config, "_attn_implementation", None))
-    remembered = None if refresh else _recall(_MEMORY, quick, target, drafter)
+    remembered = None if refresh else _recall(_COST_MODEL_MEMO, memo_key, target, drafter)
     if remembered is not None:
         return remembered
     key = cost_key(target, drafter, batch_size, block_size, context_length)
@@ -329,7 +328,7 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
             if data.get("key") != key:
                 raise ValueError("it was measured for another key")
             model = CostModel.from_dict(data, block_size)
-            _remember(_MEMORY, quick, target, drafter, model)
+            _remember(_COST_MODEL_MEMO, memo_key, target, drafter, model)
             return model
         except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
             warnings.warn(f"ignoring the cost-model cache file {path}: {error}; measuring again", stacklevel=2)
@@ -341,7 +340,7 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
         os.replace(tmp, path)
     except OSError as error:  # a read-only home still generates, only slower to start next time
         warnings.warn(f"could not write the cost-model cache {path}: {error}", stacklevel=2)
-    _remember(_MEMORY, quick, target, drafter, model)
+    _remember(_COST_MODEL_MEMO, memo_key, target, drafter, model)
     return model
 
 

@@ -42,7 +42,7 @@ KERNEL_CHOICES = ("auto", "default", "onednn")
 # Rows per batch row at which the target's kernels are compared: a plain step, a short verify, a block.
 PROBE_WIDTHS = (1, 4, 16)
 # A whole model on one kernel (``use_linear_kernel``) is probed at a plain step plus a 16-row verify; the
-# cache's keys for that probe carry no row count (they predate other row counts).
+# cache's keys for that probe carry no row count, so that caches written before per-width probes still load.
 WHOLE_MODEL_ROWS = (1, 16)
 # oneDNN is chosen for a width only when it is at least this much faster there: a win, not timer noise.
 PER_FORWARD_MIN_SPEEDUP = 1.05

@@ -461,13 +461,11 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         The config comes from ``DFlash2Config.for_target(target.config, ...)`` (``config_kwargs`` go there).
         The output norm starts at the target's final-norm scale, read off the module itself so that offset
-        conventions (Gemma's ``1 + w``) come out right. Damping that scale in the weights would make the
-        first predictions uniform but leave a head that needs ~1,000 Adam steps to grow its norm back (seen
-        on SmolLM2: 0.8 % of the scale, loss flat for 40 steps); the trainer instead ramps a logit scale
-        from ``calibrated_output_factor`` to 1 over its first steps. ``output_scale`` multiplies that start
-        (the trainer's ``--output-scale``: a head whose logits can span only a fraction of the target's
-        trains more stably). Same seed -> same weights, and the caller's random streams (CPU and accelerator) are
-        left as they were; ``seed=None`` draws from the caller's stream.
+        conventions (Gemma's ``1 + w``) come out right. It is not damped to make the first predictions uniform:
+        a head then needs many steps to grow it back (training damps the logits instead). ``output_scale``
+        multiplies it (a head whose logits can span only a fraction of the target's trains more stably).
+        Same seed -> same weights, and the caller's random streams (CPU and accelerator) are left as they were;
+        ``seed=None`` draws from the caller's stream.
         """
         if not 0 < output_scale <= 1:
             raise ValueError(f"output_scale must be in (0, 1], got {output_scale}")
@@ -616,7 +614,7 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
             kernel = getattr(bound.lm_head.__dict__.get("forward"), "kernel", None) if bound.lm_head is not None else None
             weight, bias, packed = self._draft_head_rows(weight, bias, vocab, kernel)
         # As a 2-D matmul: F.linear on a non-contiguous 3-D input (the block minus its anchor) falls back to a
-        # batched matmul that copies the whole LM head weight on every call (measured: over half a CPU draft).
+        # batched matmul that copies the whole LM head weight on every call, most of a CPU draft pass.
         flat = hidden.to(weight.dtype).reshape(-1, hidden.shape[-1])
         inference = not torch.is_grad_enabled() and weight.is_floating_point()  # a quantized head: its own path
         if vocab is None and bound.lm_head is not None and inference:
@@ -932,32 +930,6 @@ def applied_norm_scale(norm: nn.Module) -> torch.Tensor:
     probe = torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
     rms_correction = (1.0 + getattr(norm, "eps", getattr(norm, "variance_epsilon", 0.0))) ** 0.5
     return norm(probe).float()[0].cpu() * rms_correction
-
-
-@torch.no_grad()
-def calibrated_output_factor(drafter: "DFlash2DraftModel", target) -> float:
-    """A factor <= 1 for a fresh head's logits (see ``calibrated_output_scale``); the trainer's start."""
-    scale = drafter.norm.weight.detach().float().cpu()
-    return float((calibrated_output_scale(drafter, target, scale) / scale.clamp_min(1e-6)).median())
-
-
-@torch.no_grad()
-def calibrated_output_scale(drafter: "DFlash2DraftModel", target, scale: torch.Tensor) -> torch.Tensor:
-    """An output-norm scale ``scale`` [H] (the head's own), times a factor <= 1.
-
-    Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
-    the residual, so its output points along that embedding; with a tied LM head the mask token then gets
-    a logit far above every other token (a first training loss many times the uniform one, worst on
-    Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
-    which puts the first loss at about the uniform guess; training grows the scale back.
-    """
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings().weight
-    mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale
-    direction = mask_row * torch.rsqrt(mask_row.pow(2).mean() + drafter.config.rms_norm_eps)
-    logits = F.linear((direction * scale).to(device=head.device, dtype=head.dtype), head)
-    spread = float((logits.float() - logits.float().mean()).abs().max())
-    return scale * min(1.0, 1.0 / spread) if spread > 0 else scale
 
 
 class DFlashDraftModel(DFlash2DraftModel):

@@ -26,8 +26,8 @@ def last_position(length: int, device: torch.device | str | None = None) -> torc
     """``logits_to_keep`` for a prefill of ``length`` positions that needs only the last one's logits.
 
     As an index tensor, not the integer 1: Transformers slices ``hidden[:, -1:, :]`` for an integer, and
-    ``F.linear`` on that non-contiguous 3-D slice copies the LM head weight once per row (measured: 0.6 s
-    for a batch of 8 on SmolLM2-135M, seconds at batch 64); indexing gives a contiguous slice."""
+    ``F.linear`` on that non-contiguous 3-D slice copies the LM head weight once per row, which dominates a
+    batched prefill; indexing gives a contiguous slice."""
     return torch.tensor([length - 1], device=device)
 
 
@@ -141,8 +141,8 @@ def check_ngram_size(value, name: str = "ngram_size") -> None:
 def round_block_size(drafter, ngram_size: int, block_size: int | None = None, room: int | None = None,
                      cost_model=None) -> int:
     """The loop's block (anchor + most drafts a round verifies): ``block_size`` if given; else the head's,
-    widened to ``NGRAM_BLOCK`` when n-gram drafts are on (a trigram match is often right for 9+ tokens,
-    and a verify of 16 tokens costs little more than one of 8), but never past ``room`` positions or
+    widened to ``NGRAM_BLOCK`` when n-gram drafts are on (a long n-gram match can run past the head's
+    block, and a verify of 16 tokens costs little more than one of 8), but never past ``room`` positions or
     the blocks a given ``cost_model`` covers."""
     if block_size:
         return block_size
@@ -455,7 +455,8 @@ class SpeculativeStats:
         self.block_size = block_size
         self._joint = None  # [B, B] rounds by (drafts verified, drafts accepted)
         self._committed = None
-        self._ngram = None  # [3]: rows x rounds that verified n-gram drafts, drafts of theirs accepted, tree rounds
+        # [3] rows x rounds: that verified n-gram drafts, n-gram drafts accepted, that verified a draft tree
+        self._source_counts = None
         self.draft_passes = 0  # forwards of the head (one per round that drafted, whatever the batch)
         self.verify_forwards = 0  # forwards of the target after the prefill (a plain step is one too)
         self.costs: dict | None = None  # the adaptive policy's cost model (seconds per verify width, per draft)
@@ -477,7 +478,7 @@ class SpeculativeStats:
         if self._joint is None:
             self._joint = torch.zeros(b * b, dtype=torch.long, device=accepted.device)
             self._committed = torch.zeros((), dtype=torch.long, device=accepted.device)
-            self._ngram = torch.zeros(3, dtype=torch.long, device=accepted.device)
+            self._source_counts = torch.zeros(3, dtype=torch.long, device=accepted.device)
         weight = torch.ones_like(accepted, dtype=torch.long) if active is None else active.long()
         verified = b - 1 if verified is None else min(max(int(verified), 0), b - 1)
         accepted = accepted.long().clamp(0, verified)
@@ -485,7 +486,7 @@ class SpeculativeStats:
         self._committed += (committed.long() * weight).sum()
         if source is not None and verified > 0:
             ngram = (source > 0).long() * weight
-            self._ngram += torch.stack([ngram.sum(), (ngram * accepted).sum(), weight.sum() * tree])
+            self._source_counts += torch.stack([ngram.sum(), (ngram * accepted).sum(), weight.sum() * tree])
 
     def _joint_table(self) -> list[list[int]]:
         b = self.block_size
@@ -522,16 +523,16 @@ class SpeculativeStats:
     @property
     def ngram_rounds(self) -> int:
         """Rows x rounds whose verified drafts came from an n-gram match rather than the head."""
-        return int(self._ngram[0]) if self._ngram is not None else 0
+        return int(self._source_counts[0]) if self._source_counts is not None else 0
 
     @property
     def ngram_accepted(self) -> int:
-        return int(self._ngram[1]) if self._ngram is not None else 0
+        return int(self._source_counts[1]) if self._source_counts is not None else 0
 
     @property
     def tree_rounds(self) -> int:
         """Rows x rounds that verified a draft tree (``generation.trees``) rather than one chain."""
-        return int(self._ngram[2]) if self._ngram is not None else 0
+        return int(self._source_counts[2]) if self._source_counts is not None else 0
 
     @property
     def acceptance_length(self) -> float:
@@ -559,11 +560,11 @@ class SpeculativeStats:
             if self._joint is None:
                 self._joint = other._joint.clone()
                 self._committed = other._committed.clone()
-                self._ngram = other._ngram.clone()
+                self._source_counts = other._source_counts.clone()
             else:
                 self._joint += other._joint.to(self._joint.device)
                 self._committed += other._committed.to(self._committed.device)
-                self._ngram += other._ngram.to(self._ngram.device)
+                self._source_counts += other._source_counts.to(self._source_counts.device)
         self.draft_passes += other.draft_passes
         self.verify_forwards += other.verify_forwards
         return self

@@ -1,23 +1,22 @@
 """Pick the compute precision the machine is fast at: ``--mixed-precision auto``.
 
-The CPUs this project runs on differ from machine to machine: with AMX or AVX-512-BF16 a bf16 matmul is
-2-5x faster than fp32, with AVX2 only it is ~300x *slower*. So ``auto`` never guesses from the torch
-build: on CUDA it asks the device, on CPU it times one small product in both dtypes (well under a
+The CPUs this project runs on differ from machine to machine: with AMX or AVX-512-BF16 a bf16 matmul is several
+times faster than fp32, with AVX2 only it is emulated and orders of magnitude *slower*. So ``auto`` never guesses
+from the torch build: on CUDA it asks the device, on CPU it times one small product in both dtypes (well under a
 second) and caches the verdict per CPU model and torch version, so later runs decide instantly.
 
 Two workloads, two probes. Training, feature stores and regeneration multiply hundreds of rows at once
 (``workload="train"``: a square product). Decoding at batch 1 multiplies one row by each weight matrix
 (and a verify a few rows): that is bound by reading the weights, and on some CPUs with fast bf16 *compute*
-the one-row bf16 product is slower than fp32 (0.63x on an Intel Xeon with AMX, ``benchmarks/cost/decode_dtype.py``).
+the one-row bf16 product is slower than fp32 (an Intel Xeon with AMX, ``benchmarks/cost/decode_dtype.py``).
 So ``workload="decode"`` (demo, bench) times one decoder step's weight matrices at 1 and 16 rows (the plain
 step and the widest verify) and picks bf16 only when it is clearly faster at the verify (``BF16_MIN_SPEEDUP``)
 and not slower at the plain step, so neither side of a speculative-vs-greedy ratio is the one left slow.
 
 Each dtype is timed on the linear kernels the caller allows (``linear_kernels``: PyTorch's default, and
 oneDNN with packed weights), each dtype on its faster one. An Intel Xeon with AMX is why: there
-a bf16 step on the default kernel is slower than fp32 (so decoding used to run in fp32, where a 16-token
-verify costs 2.3 plain steps), while bf16 through oneDNN is the fastest plain step of the four and its
-16-token verify costs 1.25 of them (``benchmarks/cost/linear_kernel_sweep.py``).
+a bf16 step on the default kernel is slower than fp32, while bf16 through oneDNN is the fastest plain step
+of the four and has the cheapest 16-token verify relative to it (``benchmarks/cost/linear_kernel_sweep.py``).
 """
 
 from __future__ import annotations
@@ -164,7 +163,7 @@ def cpu_bf16_is_fast(use_cache: bool = True, workload: str = "train", config=Non
     if _cpu_has_bf16_flags() is False:
         return False  # AVX2 only: bf16 is emulated; timing it would itself take seconds
     key = cpu_key()
-    if workload == "train":  # the training key predates workloads: cached verdicts stay valid
+    if workload == "train":  # the training key names no workload, so cached verdicts stay valid
         return cached_speedup(_cache_path(), key, time_matmul_speedup, "precision", use_cache) >= BF16_MIN_SPEEDUP
     key += f" | {workload} {sorted(decoder_matrices(config).items())} | rows {list(DECODE_ROWS)} | {sorted(kernels)}"
     speedups = cached_speedups(_cache_path(), key, lambda: time_decode_speedups(config, kernels=kernels),

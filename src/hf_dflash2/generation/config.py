@@ -63,7 +63,7 @@ PLAIN_GREEDY = {"do_sample": False, "max_time": None, **UNSUPPORTED_GENERATION_S
                 **TAIL_WARPERS, **RETURN_SETTINGS}
 
 
-def _acts(name: str, value, config: GenerationConfig) -> bool:
+def _generate_would_apply(name: str, value, config: GenerationConfig) -> bool:
     """Whether ``generate`` would apply this setting's value (its processors' own conditions)."""
     off = UNSUPPORTED_GENERATION_SETTINGS[name]
     if value is None or value == off or (off is None and not value):
@@ -99,7 +99,7 @@ def resolve_generation_config(target, generation_config: GenerationConfig | None
                          "return_token_type_ids=False), its options GenerationConfig fields")
     for name in UNSUPPORTED_GENERATION_SETTINGS:
         value = getattr(config, name, None)
-        if not _acts(name, value, config):
+        if not _generate_would_apply(name, value, config):
             continue
         if name in given:
             origin = "the call"

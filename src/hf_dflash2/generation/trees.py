@@ -6,9 +6,9 @@ selector scores every pair (``P(b | a) = softmax_b S_t(a, b)``, a Markov chain o
 DFlash-1's unary distribution ranks them independently. A round verifies the ``m`` continuations of
 highest path probability (best first: a node's probability is its path's product, so the ``m`` likeliest
 nodes always include their parents), and the n-gram draft as a chain hanging from the deepest head node
-that spells its first tokens. At equal size this beats the head's chain with runner-up first tokens by
-5-10 % in tokens per round (``benchmarks/speed/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16
-(or a GPU) little more than verifying 8. The round keeps the path the target accepts furthest.
+that spells its first tokens. At equal size this beats the head's chain with runner-up first tokens in
+tokens per round (``benchmarks/speed/tree_shapes.py``), and verifying 16 tokens costs a CPU in bf16 (or a
+GPU) little more than verifying 8. The round keeps the path the target accepts furthest.
 
 Slots, per row: 0 the anchor; 1..m the head's nodes in order of probability (so a parent comes before
 its children); m+1..m+kg the n-gram chain. Rows differ in shape, so depth, parent and ancestry are
@@ -112,8 +112,8 @@ def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> He
 
     The selector's softmax spreads over its K candidates only, so a position whose candidates hold little
     of the unary probability looks surer than it is. ``top_k_mass`` (default) ranks by each selector step
-    weighed by the unary mass its K candidates hold (``benchmarks/speed/tree_shapes.py``: 0.01-0.07
-    more tokens per round at every tree size on both prompt sets). The nodes' ``logp`` stay the
+    weighed by the unary mass its K candidates hold (``benchmarks/speed/tree_shapes.py``: more tokens per
+    round at every tree size on both prompt sets). The nodes' ``logp`` stay the
     selector's own path probabilities: the planner's calibration is fitted to them, and giving it the
     weighed ones made it plan smaller trees that lost on MT-Bench (measured with ``ngram_hybrid.py``)."""
     if draft.pair_scores is None:

@@ -243,7 +243,7 @@ def cmd_train(args) -> int:
         return 0
     for name, settings in runs:  # every run's settings checked before the first one trains
         try:
-            _check_settings(_forked(settings))
+            _check_settings(_resuming_if_forked(settings))
         except SystemExit as error:
             raise SystemExit(f"phase {name}: {error.code}" if name else error.code) from None
     for name, settings in runs:
@@ -257,12 +257,12 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _forked(args):
+def _resuming_if_forked(args):
     """A run with ``fork_from`` resumes: the copy of the other run's checkpoint, or its own once it has one."""
     return replace(args, resume=True) if args.fork_from else args
 
 
-def _fork(args) -> None:
+def _copy_fork_checkpoint(args) -> None:
     """``--fork-from``: ``--output`` starts as a copy of that run's checkpoint (once; later calls resume it)."""
     import shutil
 
@@ -370,10 +370,10 @@ def _train(args) -> tuple[int, int]:
     from .regenerate import encode_prompts
     from .trainer import Trainer, load_sequences, store_sequences
 
-    args = _forked(args)
+    args = _resuming_if_forked(args)
     record_weights, target_layers_init = _check_settings(args)
     if args.fork_from:
-        _fork(args)
+        _copy_fork_checkpoint(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.release_freed_memory:

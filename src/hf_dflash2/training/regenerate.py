@@ -60,7 +60,7 @@ def other_penalties(records: list[dict], repetition_penalty: float) -> set[float
     return {r.get("repetition_penalty", 1.0) for r in records} - {repetition_penalty}
 
 
-def _repair(path: Path) -> list[dict]:
+def _drop_partial_records(path: Path) -> list[dict]:
     records = read_regenerated(path)
     if path.exists() and len(path.read_text(encoding="utf-8").splitlines()) != len(records):
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
@@ -178,7 +178,7 @@ def regenerate(
         raise ValueError(f"repetition_penalty must be > 0 (1.0: none), got {config.repetition_penalty}")
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    existing = _repair(output_path)
+    existing = _drop_partial_records(output_path)
     if other_penalties(existing, config.repetition_penalty):
         penalties = {r.get("repetition_penalty", 1.0) for r in existing}
         raise ValueError(f"{output_path} holds responses decoded with repetition_penalty {sorted(penalties)}; "

@@ -1,6 +1,6 @@
 """A feature/label store: the target runs over the training text once, training reads it for many epochs.
 
-A prefill over existing text is ~8x cheaper per token than generating it, and it yields, at every
+A prefill over existing text is many times cheaper per token than generating it, and it yields, at every
 position, the target's tapped hidden states (the drafter's context) and the target's own next-token
 distribution (labels). The store keeps, per token:
 

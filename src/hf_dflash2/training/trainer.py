@@ -26,10 +26,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale, calibrated_output_factor
+from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale
 from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, last_position, ngram_draft, tapped_features
 from .losses import block_loss, decay_gamma
 
@@ -81,13 +82,13 @@ class TrainingConfig:
     # towards the target's own (a store built with ``final_hidden``): relative squared error, position-decayed.
     hidden_weight: float = 0.0
     # gamma of the position-decayed loss, w_k = exp(-(k - 1) / gamma). None: the DFlash paper's for the block
-    # size (4 at B = 8, 7 at B = 16). A weak head accepts ~0.5-0.6 per position, so position k adds ~0.55^(k-1)
-    # to tau: a smaller gamma spends the head's capacity where acceptance is decided.
+    # size (4 at B = 8, 7 at B = 16). A weak head accepts about half of each position, so position k adds
+    # about 2^-(k-1) to tau: a smaller gamma spends the head's capacity where acceptance is decided.
     loss_gamma: float | None = None
     # 1: off. Otherwise the weight of the block positions that the fast loop's own n-gram chain (prompt lookup,
     # ``ngram_draft``) drafts and has accepted from the same anchor: the default loop verifies that chain beside
-    # the head's tree, so a head that learns those tokens adds little there (44 % of the training positions
-    # of the committed head's store are such copies; docs/training.md). Below 1 the head's capacity goes to the
+    # the head's tree, so a head that learns those tokens adds little there (a large share of a store's
+    # positions are such copies; docs/training.md). Below 1 the head's capacity goes to the
     # text no copy drafts.
     copy_weight: float = 1.0
     extra: dict = field(default_factory=dict)
@@ -517,6 +518,33 @@ def calibrate_query_key_norms(drafter: DFlash2DraftModel, target, layer_ids: lis
     return scales
 
 
+
+@torch.no_grad()
+def calibrated_output_factor(drafter: DFlash2DraftModel, target) -> float:
+    """A factor <= 1 for a fresh head's logits (see ``calibrated_output_scale``): the trainer ramps the head's
+    logit scale from it to 1 over its first steps."""
+    scale = drafter.norm.weight.detach().float().cpu()
+    return float((calibrated_output_scale(drafter, target, scale) / scale.clamp_min(1e-6)).median())
+
+
+@torch.no_grad()
+def calibrated_output_scale(drafter: DFlash2DraftModel, target, scale: torch.Tensor) -> torch.Tensor:
+    """An output-norm scale ``scale`` [H] (the head's own), times a factor <= 1.
+
+    Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
+    the residual, so its output points along that embedding; with a tied LM head the mask token then gets
+    a logit far above every other token (a first training loss many times the uniform one, worst on
+    Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
+    which puts the first loss at about the uniform guess; training grows the scale back.
+    """
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale
+    direction = mask_row * torch.rsqrt(mask_row.pow(2).mean() + drafter.config.rms_norm_eps)
+    logits = F.linear((direction * scale).to(device=head.device, dtype=head.dtype), head)
+    spread = float((logits.float() - logits.float().mean()).abs().max())
+    return scale * min(1.0, 1.0 / spread) if spread > 0 else scale
+
 class Trainer:
     def __init__(
         self,
@@ -678,11 +706,11 @@ class Trainer:
         """Geometric ramp from ``output_factor`` to 1 over the first ``logit_ramp_steps`` steps.
 
         A fresh head's drafted positions all read the mask token's embedding, so with a tied LM head the
-        mask token's own logit towers over the rest and the first loss is many times a uniform guess's
-        (14x on a trained Gemma3). Scaling the logits down at the start, instead of the output norm's
+        mask token's own logit towers over the rest and the first loss is many times a uniform guess's.
+        Scaling the logits down at the start, instead of the output norm's
         weights, keeps the first loss near uniform without leaving Adam to regrow a tiny norm. The ramp
         is short on purpose: every step of it sharpens what the head has learnt, so a ramp as long as the
-        warmup (SmolLM2: 0.0076 -> 1, 131x) kept the loss rising and spiking until it ended."""
+        warmup kept the loss rising and spiking until it ended (``docs/training.md``)."""
         ramp = min(self.config.logit_ramp_steps, self.warmup_steps)
         if step >= ramp or self.output_factor >= 1.0:  # ramp == 0: no ramp
             return 1.0
