@@ -192,6 +192,46 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
                      trunk_done=plan["trunk_steps"], warmup=plan["warmup_steps"])
     assert more["store_tokens"] == plan["store_tokens"] and more["store_seconds"] == 0
     assert more["trunk_steps"] > plan["trunk_steps"] and more["warmup_steps"] == plan["warmup_steps"]
+    # A store that ran long: planned again once it is built, training gets what is left, within the budget
+    late = make_plan(3 * 3600, 60 + plan["store_seconds"] + 1800, rates, recipe, store_done=True,
+                     store_tokens=plan["store_tokens"], warmup=plan["warmup_steps"])
+    assert late["trunk_steps"] + late["cool_steps"] == pytest.approx(
+        plan["trunk_steps"] + plan["cool_steps"] - 1800 / rates["seconds_per_step"], rel=0.01)
+    assert late["planned_seconds"] == pytest.approx(3 * 3600, rel=0.01)
+
+
+class _CountingTrainer:
+    """Steps, checkpoints and nothing else: what ``train_in_chunks`` drives."""
+
+    def __init__(self, step: int = 0):
+        self.step, self.eval_prompts, self.history = step, [], []
+
+    def train(self, stop_after: int) -> None:
+        self.step += stop_after
+
+
+def test_a_trunk_planned_from_rates_ends_where_the_budget_says_and_a_resumed_call_keeps_that_end(tmp_path):
+    from hf_dflash2.training.distill import Display, RunState, train_in_chunks
+
+    recipe = DistillRecipe(checkpoint_every=10)
+    state = RunState(tmp_path)
+    display = Display(budget=100.0, spent=0.0, enabled=False)
+    asked = []
+
+    def fit(step: int, seconds_per_step: float) -> int:  # the budget affords 25 steps in all
+        asked.append(step)
+        return max(step, 25)
+
+    trainer = _CountingTrainer()
+    end = train_in_chunks(trainer, 100, recipe, display, state, step_key="trunk_step", fit_budget=fit)
+    assert end == trainer.step == 25 and asked == [10, 20]
+    assert RunState(tmp_path).data["trunk_step_end"] == 25 and RunState(tmp_path).data["trunk_step"] == 25
+    # killed at step 20 and run again: the fitted end holds without asking again
+    state.data["trunk_step"] = 20
+    again = train_in_chunks(_CountingTrainer(20), 100, recipe, display, state, step_key="trunk_step")
+    assert again == 25
+    # without a fit (a recipe's fixed steps) the planned end holds
+    assert train_in_chunks(_CountingTrainer(), 30, recipe, display, RunState(tmp_path / "fixed")) == 30
 
 
 def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt):

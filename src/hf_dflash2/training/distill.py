@@ -46,6 +46,7 @@ import re
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -712,16 +713,25 @@ def start_from_target_layers(trainer) -> dict:
 
 
 def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Display, state: RunState,
-                    checks_at: tuple[int, ...] = (), step_key: str | None = None) -> None:
+                    checks_at: tuple[int, ...] = (), step_key: str | None = None,
+                    fit_budget: Callable[[int, float], int] | None = None) -> int:
     """Train to ``last_step``, a checkpoint every ``checkpoint_every`` steps (a kill loses at most one chunk);
-    at the steps in ``checks_at`` the held-out τ of the head alone goes into the history and the display."""
+    at the steps in ``checks_at`` the held-out τ of the head alone goes into the history and the display.
+    ``fit_budget(step, seconds_per_step)``, asked after every chunk with this call's own rate, may end the
+    training sooner (never before ``step``); the end it gives is kept in ``state`` for a resumed call.
+    -> the last step."""
     first = trainer.step
+    key = f"{step_key}_end" if step_key else None
+    if key and key in state.data:
+        last_step = min(last_step, state.data[key])
     while trainer.step < last_step:
         chunk = min(recipe.checkpoint_every, last_step - trainer.step)
         due = [s for s in checks_at if trainer.step < s <= trainer.step + chunk]
         if due:
             chunk = due[0] - trainer.step
+        started, step_before = time.perf_counter(), trainer.step
         trainer.train(stop_after=chunk)  # checkpoints at its last step
+        seconds_per_step = (time.perf_counter() - started) / max(1, trainer.step - step_before)
         tau = None
         if trainer.step in checks_at and trainer.eval_prompts:
             evaluation = trainer.evaluate()
@@ -729,11 +739,16 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
             tau = evaluation.get("eval_tau")
             loss = sum(h["loss"] for h in trainer.history[-10:]) / len(trainer.history[-10:])
             display.write(f"  step {trainer.step:,}: loss {loss:.3f}, held-out τ {tau:.2f} (head alone)")
+        if fit_budget is not None and trainer.step < last_step:
+            last_step = fit_budget(trainer.step, seconds_per_step)
+            if key:
+                state.data[key] = last_step
         state.data["spent_seconds"] = round(display.spent(), 1)
         if step_key is not None:
             state.data[step_key] = trainer.step
         state.save()
         display.update((trainer.step - first) / max(1, last_step - first), tau=tau)
+    return trainer.step
 
 
 def loss_summary(history: list[dict]) -> dict:
@@ -1121,6 +1136,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             plan = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens,
                              store_done=state.done("store"), store_tokens=old.get("store_tokens"),
                              trunk_done=trunk_done, warmup=old.get("warmup_steps"))
+            state.data.pop("trunk_step_end", None)  # an end fitted to the old budget
             if state.done("trunk") and plan["trunk_steps"] > state.data["done"]["trunk"]["step"]:
                 state.undo("trunk")  # a larger budget: the trunk goes on, and what follows it is redone
             if not state.done("trunk") or plan["cool_steps"] != old.get("cool_steps"):
@@ -1136,16 +1152,27 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         if not state.done("store"):
             display.start("store", plan["store_seconds"])
             total = plan["store_tokens"]
+
+            def progress(share: float) -> None:  # a kill loses no more than one batch of the budget's account
+                display.update(share)
+                state.data["spent_seconds"] = round(display.spent(), 1)
+                state.save()
+
             records = regenerate_until(store_target, tokenizer, regen_prompts, output / "regenerated.jsonl",
                                        plan["regen_tokens"], recipe, device,
-                                       on_batch=lambda n: display.update(0.8 * n / max(1, total)))
-            prefill(store_target, records, store, recipe, pad, on_chunk=lambda n: display.update(n / max(1, total)))
+                                       on_batch=lambda n: progress(0.8 * n / max(1, total)))
+            prefill(store_target, records, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
             regen_stored = sum(len(r["input_ids"]) for r in records)
             text = sharegpt_records(tokenizer, exchanges, total - regen_stored, recipe.max_length)
-            prefill(store_target, text, store, recipe, pad, on_chunk=lambda n: display.update(n / max(1, total)))
+            prefill(store_target, text, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
+            display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
+            # The store took what it took: the training phases are planned again for what is left of the budget.
+            plan = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens, store_done=True,
+                             store_tokens=store.num_tokens, warmup=plan["warmup_steps"])
+            state.data.update(plan=plan, spent_seconds=round(display.spent(), 1))
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
                                  "regenerated_tokens": regen_stored})
-            display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
+            display.write(format_plan(plan, rates, name))
     if settings.stop_after == "store":
         return state.data
 
@@ -1162,7 +1189,19 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             if "fresh_layers" in state.data["initialized_from"]:
                 display.write(f"head layers start fresh: {state.data['initialized_from']['fresh_layers']}")
         checks = tuple(sorted({max(1, plan["trunk_steps"] * (i + 1) // recipe.checks) for i in range(recipe.checks)}))
-        train_in_chunks(trainer, plan["trunk_steps"], recipe, display, state, checks_at=checks, step_key="trunk_step")
+        fit = None
+        if recipe.trunk_steps is None:  # planned from rates: the trunk ends early where its steps run slow
+            def fit(step: int, seconds_per_step: float) -> int:
+                cool = plan["cool_steps"] * seconds_per_step  # at the rate the trunk's steps really run
+                left = budget - display.spent() - cool - plan["eval_seconds"] - rates.get("export_seconds", 5.0)
+                return max(step, min(plan["trunk_steps"], step + int(left / seconds_per_step)))
+        trunk_end = train_in_chunks(trainer, plan["trunk_steps"], recipe, display, state, checks_at=checks,
+                                    step_key="trunk_step", fit_budget=fit)
+        if trunk_end != plan["trunk_steps"]:
+            display.write(f"trunk ended at step {trunk_end:,} of {plan['trunk_steps']:,}: its steps ran slower "
+                          "than the probe's, and the budget keeps the cool-down and the evaluation")
+            plan = {**plan, "trunk_steps": trunk_end}
+            state.data["plan"] = plan
         state.data["trunk_step"] = trainer.step
         state.data["trunk_loss"] = loss_summary(trainer.history)
         state.mark("trunk", {"step": trainer.step})
