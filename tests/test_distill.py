@@ -203,11 +203,16 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
 class _CountingTrainer:
     """Steps, checkpoints and nothing else: what ``train_in_chunks`` drives."""
 
-    def __init__(self, step: int = 0):
-        self.step, self.eval_prompts, self.history = step, [], []
+    def __init__(self, step: int = 0, checks: bool = False):
+        self.step, self.eval_prompts, self.history, self.evaluated_at = step, [[1, 2]] if checks else [], [], []
 
     def train(self, stop_after: int) -> None:
         self.step += stop_after
+        self.history.append({"step": self.step, "loss": 1.0})
+
+    def evaluate(self) -> dict:
+        self.evaluated_at.append(self.step)
+        return {"eval_tau": 1.5}
 
 
 def test_a_trunk_planned_from_rates_ends_where_the_budget_says_and_a_resumed_call_keeps_that_end(tmp_path):
@@ -232,6 +237,11 @@ def test_a_trunk_planned_from_rates_ends_where_the_budget_says_and_a_resumed_cal
     assert again == 25
     # without a fit (a recipe's fixed steps) the planned end holds
     assert train_in_chunks(_CountingTrainer(), 30, recipe, display, RunState(tmp_path / "fixed")) == 30
+    # a shortened trunk whose held-out checks lay beyond its new end is checked at that end
+    checked = _CountingTrainer(checks=True)
+    train_in_chunks(checked, 100, recipe, display, RunState(tmp_path / "checked"), checks_at=(15, 50, 100),
+                    step_key="trunk_step", fit_budget=fit)
+    assert checked.step == 25 and checked.evaluated_at == [15, 25]
 
 
 def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt):

@@ -151,25 +151,27 @@ def test_the_bound_counts_the_draft_passes_and_the_chosen_verifies():
 
 def test_the_bound_over_a_whole_call_counts_the_prefill_both_sides_pay():
     costs = {"verify_seconds": [0.10, 0.10], "draft_seconds": 0.0}
-    # tau 2 at the cost of a plain step: the decoding's bound is 2x; 20 tokens = 2 s of plain decoding a call
+    # tau 2 at the cost of a plain step (0.1 s): the decoding's bound is 2x
     stats = [{"verify_forwards": 10, "draft_passes": 0, "committed": 20, "verify_length_histogram": [0, 10],
               "costs": costs}]
     decode_only = speed_bound(stats, step_seconds=0.1)
     assert decode_only["bound"] == pytest.approx(2.0) == decode_only["decode_bound"]
-    with_prefill = speed_bound(stats, step_seconds=0.1, prefill_seconds=2.0)  # as long as the decoding
-    assert with_prefill["decode_bound"] == pytest.approx(2.0)
+    # the baseline's whole call: 20 tokens at 0.2 s = 4 s, of which a 2 s prefill and 2 s of decoding
+    with_prefill = speed_bound(stats, step_seconds=0.2, prefill_seconds=2.0)
+    assert with_prefill["v"] == pytest.approx(1.0) and with_prefill["decode_bound"] == pytest.approx(2.0)
     assert with_prefill["bound"] == pytest.approx((2.0 + 2.0) / (2.0 + 1.0))
     assert with_prefill["prefill_share"] == pytest.approx(0.5)
-    # batch 2: a plain step of 0.1 s writes 2 tokens, so 40 tokens (tau 2 a row) are 2 s of plain decoding
-    batched = speed_bound([{**stats[0], "committed": 40}], step_seconds=0.1, batch_size=2, prefill_seconds=2.0)
+    # batch 2: a plain step writes 2 tokens, so 40 tokens (tau 2 a row) at 0.2 s a step are again 4 s a call
+    batched = speed_bound([{**stats[0], "committed": 40}], step_seconds=0.2, batch_size=2, prefill_seconds=2.0)
     assert batched["decode_bound"] == pytest.approx(2.0) and batched["bound"] == pytest.approx(4.0 / 3.0)
-    # the bench passes the baseline's own prefill, the mean over its prompts
+    # the bench passes the baseline's own prefill, the mean over its prompts: 20 tokens in 1.0 s, 0.5 s prefill
     timings = _timings({"ar_onednn": [1.0], "dflash2_fast": [0.5]}, tokens=20)
-    timings["ar_onednn"]["prefill_seconds"] = [1.0]
+    timings["ar_onednn"]["prefill_seconds"] = [0.5]
     timings["dflash2_fast"]["stats_list"] = [{**stats[0], "rounds": 10, "verified_accepted": [[0, 0], [0, 10]],
-                                              "costs": {"verify_seconds": [0.05, 0.05], "draft_seconds": 0.0}}]
-    summary = summarize(timings)["dflash2_fast"]["speed_bound"]  # a plain step: 1.0 s / 20 tokens = 0.05 s
-    assert summary["bound"] == pytest.approx((1.0 + 1.0) / (1.0 + 0.5))
+                                              "costs": {"verify_seconds": [0.025, 0.025], "draft_seconds": 0.0}}]
+    summary = summarize(timings)["dflash2_fast"]["speed_bound"]  # a plain step: 0.5 s / 20 tokens = 0.025 s
+    assert summary["decode_bound"] == pytest.approx(2.0)
+    assert summary["bound"] == pytest.approx(1.0 / (0.5 + 0.25))
 
 
 def test_a_weak_drafter_the_policy_stops_verifying_costs_fewer_draft_passes():

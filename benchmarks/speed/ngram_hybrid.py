@@ -12,7 +12,7 @@ nothing depends on timing noise. Variants: the head's chain alone (block 8, what
 head's likeliest continuations as a tree (blocks 8 and 16), head + n-gram drafts at block 16 with one
 source per row, and the default: the head's tree and the n-gram's chain verified as one (``draft_tree``);
 then the default with its tree nodes ranked without the top-K mass (the default's ranking undone), the
-head's chain with its confidence times that mass (not the default: docs/benchmarks.md), and ``make bench``'s
+head's chain with its confidence times that mass (lowered the chain's tau: docs/benchmarks.md), and ``make bench``'s
 prompt lookup (Transformers' ``generate(prompt_lookup_num_tokens=10)``, no head: each target call after the
 first costs a verify of its length, the first, like the loop's prefill, nothing).
 ``--variants`` picks some by number (1-based, in this order; the first picked is the reference text).
@@ -52,8 +52,8 @@ VARIANTS = {
     # the default's ranking undone: tree nodes ranked by the selector's softmax alone (rank_continuations)
     "the default, trees ranked without the top-K mass": {"ngram_size": 3, "block_size": 16, "draft_tree": True,
                                                          "top_k_mass": False},
-    # a chain's confidence (the selector's softmax over K) times its candidates' unary mass; slower than the
-    # default's ranking (docs/benchmarks.md)
+    # a chain's confidence (the selector's softmax over K) times its candidates' unary mass; it lowered the
+    # head's own chain's tau (docs/benchmarks.md)
     "head alone, block 8, confidence x top-K mass": {"ngram_size": 0, "block_size": 8, "draft_tree": False,
                                                      "confidence_mass": True},
     # make bench's prompt_lookup: Transformers' generate(prompt_lookup_num_tokens=10), no head

@@ -1,6 +1,6 @@
 """Held-out tau pooled over prompt slices, and each head's per-slice difference from a baseline head.
 
-One slice (16 prompts) moves a head's tau by several hundredths (docs/training.md), so a choice made on one or two
+One slice (16 prompts) moves a head's tau by tenths (docs/training.md), so a choice made on one or two
 slices is mostly noise, and the slice a head was chosen on flatters it. This pools the
 ``benchmarks/training/heldout_tau.py`` reports of several slices: per head and prompt set, tau over all the slices'
 rounds (committed tokens / rounds), and against ``--baseline`` the mean per-slice difference with its standard

@@ -10,8 +10,8 @@ at every round: a verify has several queries and a mask, and a batch-1 plain ste
 ``g`` query heads of a group become ``g`` times as many queries of its key/value head, and the mask is
 repeated to match, so SDPA reads each cached key and value once. Each query's softmax is over the same keys
 with the same mask, so the result is the same attention; only the kernel's order of summation may differ
-(last bits in fp32, as between Transformers' own one-token and many-token forwards). It is faster at every
-width measured, most at batch 8 (``docs/benchmarks.md``).
+(last bits in fp32, as between Transformers' own one-token and many-token forwards). It is never slower beyond
+noise, and faster most at batch 8 (``docs/benchmarks.md``).
 
 ``packed_gqa_attention(model)`` switches a model to it for the duration of a ``with`` block (the fast loop
 does, for its whole call); ``model.set_attn_implementation(PACKED_GQA_SDPA)`` after ``import hf_dflash2``

@@ -190,9 +190,12 @@ class Runner:
     def prefill_seconds(self, method: str, ids: torch.Tensor, mask: torch.Tensor) -> float:
         """Wall time of a plain configuration's (``PLAIN_KERNELS``) forward over the prompts, as ``generate``'s
         first step runs it: what every method pays once before decoding."""
+        synchronize = torch.cuda.synchronize if ids.device.type == "cuda" else (lambda: None)
         with ForwardKernels(self.target, None, ids.shape[0], 1, PLAIN_KERNELS[method]):
+            synchronize()
             started = time.perf_counter()
             self.target(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+            synchronize()
             return time.perf_counter() - started
 
     @torch.no_grad()
@@ -400,14 +403,20 @@ def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1
                 prefill_seconds: float = 0.0) -> dict | None:
     """What the loop's runs could reach at most: tau / (c_d * drafted + v) over the decoding (``decode_bound``),
     where tau is tokens per row and target forward, c_d a draft pass and v the verifies it chose (each run's
-    from the cost model it decided with, timed near its own context), each over ``step_seconds`` (a plain step
-    of the baseline: its seconds per token times the batch), and ``drafted`` the share of rounds that ran a
-    draft pass. ``bound`` is the same over a whole call: the prompt's prefill (``prefill_seconds``, the
-    baseline's, per call), which both sides pay once, plus the decoding, (P + D) / (P + D / decode_bound). None
-    without the counts or the cost models."""
+    from the cost model it decided with, timed near its own context), each over a plain step of the baseline,
+    and ``drafted`` the share of rounds that ran a draft pass. ``bound`` is the same over a whole call: the
+    prompt's prefill P, which both sides pay once, plus the baseline's decoding D, (P + D) / (P + D /
+    decode_bound).
+
+    ``step_seconds``: the baseline's whole-call seconds per token times the batch; ``prefill_seconds``: its
+    prefill per call, which that figure includes, so a plain step is ``step_seconds`` less the prefill's
+    share. None without the counts or the cost models."""
     forwards = sum(s.get("verify_forwards", 0) for s in stats_list)
     if not forwards or step_seconds <= 0 or not all(s.get("costs") for s in stats_list):
         return None
+    whole_call = sum(s["committed"] for s in stats_list) / len(stats_list) * step_seconds / batch_size  # P + D
+    decode = max(whole_call - prefill_seconds, 0.05 * whole_call)
+    plain_step = step_seconds * decode / whole_call
     draft_passes = sum(s.get("draft_passes", 0) for s in stats_list)
     draft_seconds = verify_seconds = 0.0
     for stats in stats_list:
@@ -416,13 +425,12 @@ def speed_bound(stats_list: list[dict], step_seconds: float, batch_size: int = 1
         verify_seconds += sum(n * costs[min(k, len(costs) - 1)] for k, n in enumerate(stats["verify_length_histogram"]))
     tau = sum(s["committed"] for s in stats_list) / forwards / batch_size
     drafted = draft_passes / forwards
-    c_d = draft_seconds / max(draft_passes, 1) / step_seconds
-    v = verify_seconds / max(sum(sum(s["verify_length_histogram"]) for s in stats_list), 1) / step_seconds
+    c_d = draft_seconds / max(draft_passes, 1) / plain_step
+    v = verify_seconds / max(sum(sum(s["verify_length_histogram"]) for s in stats_list), 1) / plain_step
     decode_bound = tau / (c_d * drafted + v)
-    decode = sum(s["committed"] for s in stats_list) / len(stats_list) * step_seconds / batch_size  # per call
-    bound = (prefill_seconds + decode) / (prefill_seconds + decode / decode_bound)
+    prefill = whole_call - decode
     return {"tau": tau, "c_d": c_d, "drafted_share": drafted, "v": v, "decode_bound": decode_bound,
-            "prefill_share": prefill_seconds / (prefill_seconds + decode), "bound": bound}
+            "prefill_share": prefill / whole_call, "bound": whole_call / (prefill + decode / decode_bound)}
 
 
 def summarize(per_method: dict, batch_size: int = 1) -> dict:

@@ -724,6 +724,8 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
     key = f"{step_key}_end" if step_key else None
     if key and key in state.data:
         last_step = min(last_step, state.data[key])
+    if any(s > last_step for s in checks_at):
+        checks_at = (*checks_at, last_step)  # a shortened trunk still ends with its held-out τ
     while trainer.step < last_step:
         chunk = min(recipe.checkpoint_every, last_step - trainer.step)
         due = [s for s in checks_at if trainer.step < s <= trainer.step + chunk]
@@ -740,7 +742,9 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
             loss = sum(h["loss"] for h in trainer.history[-10:]) / len(trainer.history[-10:])
             display.write(f"  step {trainer.step:,}: loss {loss:.3f}, held-out τ {tau:.2f} (head alone)")
         if fit_budget is not None and trainer.step < last_step:
-            last_step = fit_budget(trainer.step, seconds_per_step)
+            last_step = min(last_step, fit_budget(trainer.step, seconds_per_step))
+            if any(s > last_step for s in checks_at):
+                checks_at = (*checks_at, last_step)
             if key:
                 state.data[key] = last_step
         state.data["spent_seconds"] = round(display.spent(), 1)
@@ -1191,16 +1195,23 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         checks = tuple(sorted({max(1, plan["trunk_steps"] * (i + 1) // recipe.checks) for i in range(recipe.checks)}))
         fit = None
         if recipe.trunk_steps is None:  # planned from rates: the trunk ends early where its steps run slow
+            check_seconds = recipe.check_prompts * recipe.check_max_new_tokens * rates["greedy_seconds_per_token"]
+            evaluation = plan["eval_seconds"] - recipe.checks * check_seconds  # the final one, without the checks
+
             def fit(step: int, seconds_per_step: float) -> int:
                 cool = plan["cool_steps"] * seconds_per_step  # at the rate the trunk's steps really run
-                left = budget - display.spent() - cool - plan["eval_seconds"] - rates.get("export_seconds", 5.0)
-                return max(step, min(plan["trunk_steps"], step + int(left / seconds_per_step)))
+                checks_left = sum(1 for c in checks if c > step) * check_seconds
+                left = (budget - display.spent() - cool - evaluation - checks_left
+                        - rates.get("export_seconds", 5.0))
+                floor = max(step, plan["warmup_steps"], recipe.min_trunk_steps)
+                return max(floor, min(plan["trunk_steps"], step + int(left / seconds_per_step)))
+        trunk_started = display.spent()
         trunk_end = train_in_chunks(trainer, plan["trunk_steps"], recipe, display, state, checks_at=checks,
                                     step_key="trunk_step", fit_budget=fit)
         if trunk_end != plan["trunk_steps"]:
             display.write(f"trunk ended at step {trunk_end:,} of {plan['trunk_steps']:,}: its steps ran slower "
                           "than the probe's, and the budget keeps the cool-down and the evaluation")
-            plan = {**plan, "trunk_steps": trunk_end}
+            plan = {**plan, "trunk_steps": trunk_end, "trunk_seconds": round(display.spent() - trunk_started, 1)}
             state.data["plan"] = plan
         state.data["trunk_step"] = trainer.step
         state.data["trunk_loss"] = loss_summary(trainer.history)
