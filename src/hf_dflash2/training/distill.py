@@ -720,7 +720,7 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
     ``fit_budget(step, seconds_per_step)``, asked after every chunk with this call's own rate, may end the
     training sooner (never before ``step``); the end it gives is kept in ``state`` for a resumed call.
     -> the last step."""
-    first = trainer.step
+    first, training_seconds = trainer.step, 0.0
     key = f"{step_key}_end" if step_key else None
     if key and key in state.data:
         last_step = min(last_step, state.data[key])
@@ -731,9 +731,10 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
         due = [s for s in checks_at if trainer.step < s <= trainer.step + chunk]
         if due:
             chunk = due[0] - trainer.step
-        started, step_before = time.perf_counter(), trainer.step
+        started = time.perf_counter()
         trainer.train(stop_after=chunk)  # checkpoints at its last step
-        seconds_per_step = (time.perf_counter() - started) / max(1, trainer.step - step_before)
+        training_seconds += time.perf_counter() - started
+        seconds_per_step = training_seconds / max(1, trainer.step - first)  # this call's mean: one slow chunk is noise
         tau = None
         if trainer.step in checks_at and trainer.eval_prompts:
             evaluation = trainer.evaluate()
