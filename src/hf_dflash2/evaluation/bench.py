@@ -518,7 +518,7 @@ def markdown_table(report: dict) -> str:
             same = f"{e['same_text_as_ar']}/{e['prompts']}" if "same_text_as_ar" in e else "-"
             bound = e.get("speed_bound")
             c_d, v, decode_limit, limit, share = (
-                (f"{bound['c_d']:.2f}", f"{bound['v']:.2f}", _ratio(bound.get("decode_bound", bound["bound"])),
+                (f"{bound['c_d']:.2f}", f"{bound['v']:.2f}", _ratio(bound["decode_bound"]),
                  _ratio(bound["bound"]), f"{100 * bound['share_reached']:.0f} %") if bound else ("-",) * 5)
             lines.append(f"| {method}{' (baseline)' if e.get('is_baseline') else ''} | {tau} | "
                          f"{e['tokens_per_s_median']:.1f} | {_ratio(e.get('speedup_vs_ar'))} | "

@@ -724,11 +724,10 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
     key = f"{step_key}_end" if step_key else None
     if key and key in state.data:
         last_step = min(last_step, state.data[key])
-    if any(s > last_step for s in checks_at):
-        checks_at = (*checks_at, last_step)  # a shortened trunk still ends with its held-out τ
     while trainer.step < last_step:
+        checks = {min(s, last_step) for s in checks_at}  # a shortened trunk still ends with its held-out τ
         chunk = min(recipe.checkpoint_every, last_step - trainer.step)
-        due = [s for s in checks_at if trainer.step < s <= trainer.step + chunk]
+        due = sorted(s for s in checks if trainer.step < s <= trainer.step + chunk)
         if due:
             chunk = due[0] - trainer.step
         started = time.perf_counter()
@@ -736,7 +735,7 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
         training_seconds += time.perf_counter() - started
         seconds_per_step = training_seconds / max(1, trainer.step - first)  # this call's mean: one slow chunk is noise
         tau = None
-        if trainer.step in checks_at and trainer.eval_prompts:
+        if trainer.step in checks and trainer.eval_prompts:
             evaluation = trainer.evaluate()
             trainer.history[-1].update(evaluation)
             tau = evaluation.get("eval_tau")
@@ -744,8 +743,6 @@ def train_in_chunks(trainer, last_step: int, recipe: DistillRecipe, display: Dis
             display.write(f"  step {trainer.step:,}: loss {loss:.3f}, held-out τ {tau:.2f} (head alone)")
         if fit_budget is not None and trainer.step < last_step:
             last_step = min(last_step, fit_budget(trainer.step, seconds_per_step))
-            if any(s > last_step for s in checks_at):
-                checks_at = (*checks_at, last_step)
             if key:
                 state.data[key] = last_step
         state.data["spent_seconds"] = round(display.spent(), 1)
