@@ -1,14 +1,17 @@
 """Does a round that drafts nothing cost what a plain step costs? One prompt, three methods, interleaved.
 
-    python benchmarks/speed/plain_steps.py [PROMPT_INDEX] [SET]     # defaults: 0 mtbench (128 new tokens)
+    python benchmarks/speed/plain_steps.py [--prompt 0] [--set mtbench] [--temperature 0] [--tokens 128]
 
 ``ar_onednn`` (plain ``generate`` on oneDNN, the fastest plain greedy on short prompts here), the default loop
 (``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass, one token
 per round through the loop's verify path), each run once to warm up and then 5 times in rotation; prints the
-median milliseconds per token and each one's speedup over ``ar_onednn``. Prints only.
+median milliseconds per token and each one's speedup over ``ar_onednn``. At ``--temperature`` above 0 all three
+sample (the same seed for each run of a method), so a plain round's sampling is compared with ``generate``'s.
+Prints only.
 """
 
-import sys
+import argparse
+import statistics
 import time
 
 import torch
@@ -19,40 +22,55 @@ from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths
 from hf_dflash2.evaluation.bench import Runner
 from hf_dflash2.prompts import default_head, encode_prompt, load_head
 
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--prompt", type=int, default=0, help="index in the set")
+parser.add_argument("--set", default="mtbench", choices=("mtbench", "humaneval"))
+parser.add_argument("--temperature", type=float, default=0.0)
+parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
+parser.add_argument("--repeats", type=int, default=5)
+args = parser.parse_args()
+if args.prompt < 0 or args.temperature < 0 or args.tokens < 1 or args.repeats < 1:
+    parser.error(f"--prompt {args.prompt}, --temperature {args.temperature}, --tokens {args.tokens} and "
+                 f"--repeats {args.repeats}: the first two must be >= 0, the others >= 1")
+
 torch.set_num_threads(2)
-idx = int(sys.argv[1]) if len(sys.argv) > 1 else 0
-setname = sys.argv[2] if len(sys.argv) > 2 else "mtbench"
-target, tok = load_target()
+target, tokenizer = load_target()
 head = load_head(default_head(), target)
-runner = Runner(target, tok, {"dflash2": head}, 128, 0.0)
-p = load_prompt_set(setname, idx + 1)[idx]
-ids = encode_prompt(tok, p, target.device)
+runner = Runner(target, tokenizer, {"dflash2": head}, args.tokens, args.temperature)
+prompt = load_prompt_set(args.set, args.prompt + 1)[args.prompt]
+ids = encode_prompt(tokenizer, prompt, target.device)
 mask = torch.ones_like(ids)
 
 
 def plain_only():
-    t = time.perf_counter()
-    r = speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=128, do_sample=False,
-                             pad_token_id=tok.pad_token_id, verify_policy=ForcedVerifyLengths([0]))
-    return int(r.num_generated.sum()), time.perf_counter() - t, r.stats
+    started = time.perf_counter()
+    result = speculative_generate(target, head, ids, attention_mask=mask, max_new_tokens=args.tokens,
+                                  pad_token_id=tokenizer.pad_token_id, verify_policy=ForcedVerifyLengths([0]),
+                                  **runner.sampling_kwargs())
+    return int(result.num_generated.sum()), time.perf_counter() - started, result.stats
 
 
-res = {m: [] for m in ("ar_onednn", "dflash2_fast", "plain_only")}
-for m in res:  # warm
-    (plain_only() if m == "plain_only" else runner.run(m, ids, mask))
-for rep in range(5):
-    for m in res:
-        if m == "plain_only":
-            g, s, st = plain_only()
-        else:
-            g, s, st, _ = runner.run(m, ids, mask)
-        res[m].append(s / g)
-        if st is not None and rep == 0:
-            print(m, "rounds", st.rounds, "drafts", st.draft_passes, "tau", round(st.acceptance_length, 2),
-                  "ngram", st.ngram_rounds, "tree", st.tree_rounds)
-import statistics as S  # noqa: E402
+def run(method: str, seed: int):
+    torch.manual_seed(seed)
+    if method == "plain_only":
+        return plain_only()
+    generated, seconds, stats, _ = runner.run(method, ids, mask)
+    return generated, seconds, stats
 
-base = S.median(res["ar_onednn"])
-for m, v in res.items():
-    print(f"{m:14s} ms/tok median {1000 * S.median(v):.2f}  speedup {base / S.median(v):.3f}  "
-          f"all {[round(1000 * x, 1) for x in v]}")
+
+seconds_per_token = {method: [] for method in ("ar_onednn", "dflash2_fast", "plain_only")}
+for method in seconds_per_token:  # warm-up
+    run(method, 0)
+for repeat in range(args.repeats):
+    for method in seconds_per_token:
+        generated, seconds, stats = run(method, repeat)
+        seconds_per_token[method].append(seconds / generated)
+        if stats is not None and repeat == 0:
+            print(method, "rounds", stats.rounds, "draft passes", stats.draft_passes,
+                  "tau", round(stats.acceptance_length, 2), "n-gram rounds", stats.ngram_rounds)
+
+baseline = statistics.median(seconds_per_token["ar_onednn"])
+for method, values in seconds_per_token.items():
+    median = statistics.median(values)
+    print(f"{method:14s} ms/token median {1000 * median:.2f}  speedup {baseline / median:.3f}  "
+          f"all {[round(1000 * value, 1) for value in values]}")

@@ -22,9 +22,16 @@ import torch
 
 
 def evaluate(
-    target, tokenizer, head_dirs: list[str], prompts: list[dict], tokens: int, repetition_penalty: float = 1.0
+    target,
+    tokenizer,
+    head_dirs: list[str],
+    prompts: list[dict],
+    tokens: int,
+    repetition_penalty: float = 1.0,
+    block_size: int | None = None,
 ) -> dict:
-    """``prompts``: ``training.commands.heldout_prompts``; ``repetition_penalty`` as ``generate``'s (1.0: off)."""
+    """``prompts``: ``training.commands.heldout_prompts``; ``repetition_penalty`` as ``generate``'s (1.0: off);
+    ``block_size``: the verified block (default: each head's own), e.g. a head trained at 16 measured at 8."""
     from hf_dflash2 import DFlash2DraftModel, speculative_generate
     from hf_dflash2.generation import PLAIN_GREEDY
     from hf_dflash2.training.regenerate import encode_prompts
@@ -37,7 +44,13 @@ def evaluate(
         for prompt_id, ids in encoded:
             name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
             result = speculative_generate(
-                target, drafter, torch.tensor([ids]), max_new_tokens=tokens, adaptive=False, ngram_size=0,
+                target,
+                drafter,
+                torch.tensor([ids]),
+                max_new_tokens=tokens,
+                adaptive=False,
+                ngram_size=0,
+                block_size=block_size,
                 **{**PLAIN_GREEDY, "repetition_penalty": repetition_penalty},
             )  # the head alone: every round verifies its block, no n-gram drafts (on by default)
             for key in (name, "all"):  # fresh copies: merge() accumulates into its receiver
@@ -68,6 +81,9 @@ def main() -> int:
         choices=range(10),
         help="1..9: 16 other prompts (heldout_prompts), a second opinion",
     )
+    parser.add_argument(
+        "--block-size", type=int, default=None, help="verify blocks of this many tokens (default: each head's own)"
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="target and heads run in this dtype")
     parser.add_argument(
         "--repetition-penalty",
@@ -78,6 +94,8 @@ def main() -> int:
     args = parser.parse_args()
     if not args.repetition_penalty > 0:
         raise SystemExit(f"--repetition-penalty {args.repetition_penalty}: must be > 0 (1.0 is off)")
+    if args.block_size is not None and args.block_size < 2:
+        raise SystemExit(f"--block-size {args.block_size}: must be >= 2 (the anchor and a draft)")
     for head in args.heads:
         if not (Path(head) / "config.json").exists():
             raise SystemExit(f"{head}: not a head folder (no config.json)")
@@ -86,12 +104,13 @@ def main() -> int:
 
     prompts = heldout_prompts(args.prompts, args.prompt_slice)
     target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
-    results = evaluate(target, tokenizer, args.heads, prompts, args.tokens, args.repetition_penalty)
+    results = evaluate(target, tokenizer, args.heads, prompts, args.tokens, args.repetition_penalty, args.block_size)
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         report = {
             "command": " ".join(["python", "benchmarks/training/heldout_tau.py"] + sys.argv[1:]),
             "repetition_penalty": args.repetition_penalty,
+            "block_size": args.block_size,
             "prompts": [p["id"] for p in prompts],  # --prompts above 16 adds none: 8 HumanEval, 8 MT-Bench
             "results": results,
         }

@@ -15,10 +15,8 @@ ships them as remote code.
 from __future__ import annotations
 
 import inspect
-import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +30,20 @@ from transformers.utils import logging
 from .candidate_generator_dflash2 import candidate_generator_for, install_generate_hook
 from .configuration_dflash2 import DFlash2Config
 from .custom_generate_dflash2 import generate as custom_generate_entry
+from .head_files_dflash2 import (
+    DRAFT_VOCAB_FILE,
+    HeadFileError,
+    check_head_config,
+    check_safetensors_complete,
+    head_file,
+    read_draft_vocab,
+    safetensors_files,
+    write_architectures,
+    write_draft_vocab,
+)
 
 install_generate_hook()
 
-DRAFT_VOCAB_FILE = "draft_vocab.json"
 CUSTOM_GENERATE_FILE = os.path.join("custom_generate", "generate.py")
 
 
@@ -781,18 +789,16 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         hub_kwargs = {k: kwargs[k] for k in ("revision", "token", "cache_dir", "local_files_only", "subfolder")
                       if k in kwargs}
         if "config" not in kwargs:
-            check_head_config(_head_file(pretrained_model_name_or_path, "config.json", hub_kwargs))
-        for weights in _safetensors_files(pretrained_model_name_or_path, hub_kwargs):
+            check_head_config(head_file(pretrained_model_name_or_path, "config.json", hub_kwargs))
+        for weights in safetensors_files(pretrained_model_name_or_path, hub_kwargs):
             check_safetensors_complete(weights)
         loaded = super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded  # (model, loading_info) on request
-        path = _head_file(pretrained_model_name_or_path, DRAFT_VOCAB_FILE, hub_kwargs)
+        path = head_file(pretrained_model_name_or_path, DRAFT_VOCAB_FILE, hub_kwargs)
         if path:
             try:
-                with open(path, encoding="utf-8") as handle:
-                    token_ids = json.load(handle)["token_ids"]
-                model.set_draft_vocab(token_ids)
-            except (ValueError, KeyError, TypeError) as error:
+                model.set_draft_vocab(read_draft_vocab(path))
+            except (ValueError, TypeError) as error:
                 raise HeadFileError(f"{path}: not a valid draft vocabulary ({error})") from None
         return loaded
 
@@ -812,20 +818,9 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
         result = super().save_pretrained(save_directory, *args, **kwargs)
         if not main_process:
             return result
-        config_path = os.path.join(save_directory, "config.json")
-        if os.path.exists(config_path):
-            with open(config_path, encoding="utf-8") as handle:
-                data = json.load(handle)
-            if data.get("architectures") != [self.config.architecture_name]:
-                data["architectures"] = [self.config.architecture_name]
-                fd, tmp = tempfile.mkstemp(dir=save_directory, prefix="config.json.")
-                with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                    json.dump(data, handle, indent=2, sort_keys=True)
-                    handle.write("\n")
-                os.replace(tmp, config_path)
+        write_architectures(save_directory, [self.config.architecture_name])
         if self.draft_vocab is not None:
-            with open(os.path.join(save_directory, DRAFT_VOCAB_FILE), "w", encoding="utf-8") as handle:
-                json.dump({"token_ids": self.draft_vocab.tolist()}, handle)
+            write_draft_vocab(save_directory, self.draft_vocab.tolist())
         # Transformers' hook-free extension point: target.generate(custom_generate=<this folder>, ...)
         os.makedirs(os.path.join(save_directory, "custom_generate"), exist_ok=True)
         shutil.copyfile(inspect.getsourcefile(custom_generate_entry), os.path.join(save_directory, CUSTOM_GENERATE_FILE))
@@ -839,73 +834,6 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                               commit_message=hub_kwargs.pop("commit_message", None) or "Upload dFlash 2 head",
                               **hub_kwargs)
         return result
-
-
-class HeadFileError(ValueError):
-    """A head file that is incomplete or inconsistent; the message names the file and the problem."""
-
-
-REQUIRED_DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
-
-
-def _head_file(name_or_path, filename: str, hub_kwargs: dict) -> str | None:
-    from transformers.utils import cached_file
-
-    return cached_file(name_or_path, filename, _raise_exceptions_for_missing_entries=False,
-                       _raise_exceptions_for_connection_errors=False, **hub_kwargs)
-
-
-def check_head_config(path: str | None) -> None:
-    """A head's ``config.json`` must carry the ``dflash_config`` fields that no default can stand in for."""
-    if path is None:
-        return  # from_pretrained reports the missing file itself
-    try:
-        with open(path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except (OSError, ValueError) as error:
-        raise HeadFileError(f"{path}: cannot read the config ({error})") from None
-    dflash = config.get("dflash_config")
-    if not isinstance(dflash, dict):
-        raise HeadFileError(f"{path}: no dflash_config block, so this is not a DFlash / dFlash 2 head")
-    missing = [name for name in REQUIRED_DFLASH_FIELDS if name not in dflash]
-    if missing:
-        raise HeadFileError(f"{path}: dflash_config lacks {missing} (it has {sorted(dflash)})")
-
-
-def _safetensors_files(name_or_path, hub_kwargs: dict) -> list[str]:
-    """The head's weight files (local paths; a Hub head's are fetched into the cache, where ``from_pretrained``
-    then finds them): ``model.safetensors``, or the shards its index names."""
-    single = _head_file(name_or_path, "model.safetensors", hub_kwargs)
-    if single:
-        return [single]
-    index = _head_file(name_or_path, "model.safetensors.index.json", hub_kwargs)
-    if not index:
-        return []
-    try:
-        with open(index, encoding="utf-8") as handle:
-            shards = sorted(set(json.load(handle)["weight_map"].values()))
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
-        raise HeadFileError(f"{index}: not a valid safetensors index ({error})") from None
-    return [path for path in (_head_file(name_or_path, shard, hub_kwargs) for shard in shards) if path]
-
-
-def check_safetensors_complete(path: str | None) -> None:
-    """The file must be as long as its header says (an interrupted copy or download is shorter)."""
-    if path is None:
-        return
-    size = os.path.getsize(path)
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        header_length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        if header_length < 2 or 8 + header_length > size:
-            raise HeadFileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
-        try:
-            header = json.loads(handle.read(header_length))
-        except ValueError:
-            raise HeadFileError(f"{path}: unreadable safetensors header ({size} bytes)") from None
-    end = max((info["data_offsets"][1] for key, info in header.items() if key != "__metadata__"), default=0)
-    if 8 + header_length + end > size:
-        raise HeadFileError(f"{path}: truncated: the header needs {8 + header_length + end} bytes, the file has {size}")
 
 
 def target_output_scale(target, hidden_size: int) -> torch.Tensor:
