@@ -69,6 +69,10 @@ def test_reports_of_one_slice_under_another_protocol_are_refused(tmp_path):
     longer.write_text(longer.read_text().replace("A B --prompt-slice 2", "A B --prompt-slice 2 --tokens 128"))
     with pytest.raises(SystemExit, match=r"slice 2: .*b\.json was measured with --tokens '128', .*a\.json with '64'"):
         slices.collect([plain, longer], None)
+    narrower = _report(tmp_path / "c.json", 2, {"C": ((100, 200), (50, 75))})
+    narrower.write_text(narrower.read_text().replace("A B --prompt-slice 2", "A B --prompt-slice 2 --block-size 8"))
+    with pytest.raises(SystemExit, match=r"slice 2: .*c\.json was measured with --block-size '8'"):
+        slices.collect([plain, narrower], None)  # a head measured at another block than its own
     one_slice = slices.summarise(slices.collect([plain], None) | {"B": slices.collect([plain], None)["A"]}, "A")
     assert one_slice["B"]["humaneval"]["standard_error"] is None  # not NaN, which JSON cannot hold
 
