@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -455,6 +456,29 @@ def test_draft_vocab_outside_the_vocabulary_is_a_named_error(saved_head):
     (saved_head / "draft_vocab.json").write_text(json.dumps({"ids": [3]}))
     with pytest.raises(HeadFileError, match="not a valid draft vocabulary"):
         DFlash2DraftModel.from_pretrained(saved_head)
+
+
+def test_a_head_file_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch):
+    from hf_dflash2 import head_files_dflash2 as head_files
+
+    head_files.write_draft_vocab(str(tmp_path), [1, 2])
+    assert (tmp_path / "draft_vocab.json").stat().st_mode & 0o777 == 0o666 & ~_umask()  # as open() makes it
+
+    def interrupted(*args):
+        raise OSError("killed")
+
+    monkeypatch.setattr(head_files.os, "replace", interrupted)
+    with pytest.raises(OSError, match="killed"):
+        head_files.write_draft_vocab(str(tmp_path), [3])
+    monkeypatch.undo()
+    assert head_files.read_draft_vocab(str(tmp_path / "draft_vocab.json")) == [1, 2]
+    assert [path.name for path in tmp_path.iterdir()] == ["draft_vocab.json"]
+
+
+def _umask() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def test_missing_asset_package_names_the_install_line(monkeypatch):

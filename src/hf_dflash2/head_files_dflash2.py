@@ -95,6 +95,9 @@ def _replace_atomically(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's owner-only mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
