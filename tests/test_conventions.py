@@ -42,8 +42,8 @@ def test_plain_save_pretrained_writes_auto_map_code_and_custom_generate(tmp_path
         "AutoModel": "modeling_dflash2.DFlash2DraftModel",
     }
     names = {p.name for p in (tmp_path / "head").iterdir()}
-    for name in ("configuration_dflash2.py", "modeling_dflash2.py", "candidate_generator_dflash2.py",
-                 "speculative_dflash2.py", "custom_generate_dflash2.py"):
+    for name in ("configuration_dflash2.py", "modeling_dflash2.py", "head_files_dflash2.py",
+                 "candidate_generator_dflash2.py", "speculative_dflash2.py", "custom_generate_dflash2.py"):
         assert name in names, name
     assert (tmp_path / "head" / "custom_generate" / "generate.py").is_file()
 
@@ -201,7 +201,8 @@ def test_push_writes_the_code_of_a_head_kept_without_it(tmp_path, hub):  # noqa:
     source = modeling_dflash2.__file__
     assert files["modeling_dflash2.py"] == open(source, "rb").read()
     assert files["custom_generate/generate.py"] == open(custom_generate_dflash2.__file__, "rb").read()
-    for name in ("configuration_dflash2.py", "candidate_generator_dflash2.py", "speculative_dflash2.py"):
+    for name in ("configuration_dflash2.py", "head_files_dflash2.py", "candidate_generator_dflash2.py",
+                 "speculative_dflash2.py"):
         assert name in files, name
     assert json.loads(files["config.json"])["auto_map"]["AutoModel"] == "modeling_dflash2.DFlash2DraftModel"
     assert {p.name: p.read_bytes() for p in head.iterdir() if p.is_file()} == before  # the folder is untouched

@@ -6,7 +6,8 @@
 (``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass, one token
 per round through the loop's verify path), each run once to warm up and then 5 times in rotation; prints the
 median milliseconds per token and each one's speedup over ``ar_onednn``. At ``--temperature`` above 0 all three
-sample (the same seed for each run of a method), so a plain round's sampling is compared with ``generate``'s.
+sample, each repeat under its own seed (the same for the three methods), so a plain round's sampling is compared
+with ``generate``'s; sampled texts may end at different lengths, hence the tokens printed per method.
 Prints only.
 """
 
@@ -24,7 +25,7 @@ from hf_dflash2.prompts import default_head, encode_prompt, load_head
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--prompt", type=int, default=0, help="index in the set")
-parser.add_argument("--set", default="mtbench", choices=("mtbench", "humaneval"))
+parser.add_argument("--set", default="mtbench", choices=("mtbench", "humaneval", "longctx"))
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
 parser.add_argument("--repeats", type=int, default=5)
@@ -59,18 +60,21 @@ def run(method: str, seed: int):
 
 
 seconds_per_token = {method: [] for method in ("ar_onednn", "dflash2_fast", "plain_only")}
+tokens = {method: [] for method in seconds_per_token}
 for method in seconds_per_token:  # warm-up
     run(method, 0)
 for repeat in range(args.repeats):
     for method in seconds_per_token:
         generated, seconds, stats = run(method, repeat)
         seconds_per_token[method].append(seconds / generated)
+        tokens[method].append(generated)
         if stats is not None and repeat == 0:
             print(method, "rounds", stats.rounds, "draft passes", stats.draft_passes,
-                  "tau", round(stats.acceptance_length, 2), "n-gram rounds", stats.ngram_rounds)
+                  "tau", round(stats.acceptance_length, 2), "n-gram rounds", stats.ngram_rounds,
+                  "tree rounds", stats.tree_rounds)
 
 baseline = statistics.median(seconds_per_token["ar_onednn"])
 for method, values in seconds_per_token.items():
     median = statistics.median(values)
     print(f"{method:14s} ms/token median {1000 * median:.2f}  speedup {baseline / median:.3f}  "
-          f"all {[round(1000 * value, 1) for value in values]}")
+          f"all {[round(1000 * value, 1) for value in values]}  tokens {tokens[method]}")

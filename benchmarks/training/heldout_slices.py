@@ -37,7 +37,7 @@ def recorded_options(report: dict, path: Path) -> dict[str, str]:
 def protocol_of(report: dict, options: dict[str, str]) -> dict:
     """What a report measured besides its heads: tau is only comparable under one protocol per slice."""
     return {"--tokens": options.get("--tokens", "64"), "--dtype": options.get("--dtype", "fp32"),
-            "--block-size": options.get("--block-size"), "prompts": report.get("prompts")}
+            "--block-size": options.get("--block-size", "each head's own"), "prompts": report.get("prompts")}
 
 
 def parse_slices(spec: str | None) -> set[int] | None:

@@ -2,15 +2,16 @@
 writes ``save_pretrained`` adds to Transformers' own.
 
 Each check raises ``HeadFileError`` naming the file and what is wrong with it, so a truncated download or a
-config from another model fails before any weight is loaded. Writes go through a temporary file in the same
-folder and ``os.replace``, so a kill leaves the old file or the new one, never half of either.
+config from another model fails before any weight is loaded. Writes go through a hidden temporary file in the
+same folder and ``os.replace``, so a kill leaves the old file or the new one, never half of either (a kill
+between the two may leave the hidden temporary behind).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import uuid
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 REQUIRED_DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")
@@ -82,7 +83,8 @@ def check_safetensors_complete(path: str | None) -> None:
 
 
 def read_draft_vocab(path: str) -> list[int]:
-    """The token ids of a ``draft_vocab.json`` (``{"token_ids": [...]}``); ``ValueError`` if it holds none."""
+    """The token ids of a ``draft_vocab.json``; ``ValueError`` unless it is ``{"token_ids": [...]}`` (the ids
+    themselves are checked against the vocabulary by ``DFlash2DraftModel.set_draft_vocab``)."""
     with open(path, encoding="utf-8") as handle:
         data = json.load(handle)
     if not isinstance(data, dict) or not isinstance(data.get("token_ids"), list):
@@ -91,13 +93,14 @@ def read_draft_vocab(path: str) -> list[int]:
 
 
 def _replace_atomically(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".")
+    folder, name = os.path.split(path)
+    # created as open() would create the file, under the process's umask (changing the umask to read it
+    # would race with other threads of the user's process)
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it, not mkstemp's owner-only mode
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
