@@ -1018,3 +1018,45 @@ def test_copy_weight_trains_on_repetitive_text_and_a_resume_keeps_it(tmp_path):
         make_trainer(tmp_path / "b", steps=2, sequences=repetitive).train(resume=True)
     resumed = make_trainer(tmp_path / "b", steps=2, sequences=repetitive, copy_weight=0.2).train(resume=True)
     assert resumed[-1]["step"] == 2
+
+
+def test_the_loops_round_starts_follow_each_rounds_accepted_drafts():
+    from hf_dflash2.training.trainer import accepted_drafts, loop_round_starts
+
+    # from 10: 2 accepted -> the next round starts at 13; 0 -> 14; 1 -> 16; 0 -> 17, past the window
+    assert loop_round_starts(torch.tensor([2, 0, 5, 0, 1, 0, 0]), 10).tolist() == [10, 13, 14, 16]
+    assert loop_round_starts(torch.zeros(4, dtype=torch.long), 3).tolist() == [3, 4, 5, 6]  # nothing accepted
+    tokens = torch.tensor([[1, 2, 3], [1, 9, 3], [5, 5, 5]])
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3], [-100, -100, -100]])
+    assert accepted_drafts(tokens, labels).tolist() == [3, 1, 0]  # leading matches only; past the end never
+
+
+def test_loop_anchors_start_where_the_loops_rounds_start_and_train(tmp_path, monkeypatch):
+    from hf_dflash2.training import trainer as trainer_module
+
+    sequences = [{"input_ids": list(range(3, 43)), "response_start": 4} for _ in range(4)]
+    trainer = make_trainer(tmp_path / "loop", steps=2, sequences=sequences, loop_anchor_share=1.0)
+    item = trainer.sequence_item(0)
+    # every draft of a fresh head is rejected: the rounds start at every position of the window
+    starts = trainer.loop_anchors(item, 6, torch.Generator().manual_seed(0))
+    assert len(starts) == 6 and (starts.diff() == 1).all() and starts.min() >= 4 and starts.max() <= 38
+    # a head whose drafts are all accepted: the rounds step by the block (anchor + 3 drafts)
+    monkeypatch.setattr(trainer_module, "accepted_drafts", lambda tokens, labels: torch.full((len(tokens),), 3))
+    starts = trainer.loop_anchors(item, 6, torch.Generator().manual_seed(0))
+    assert len(starts) == 3 and (starts.diff() == 4).all()  # a window of 12 positions holds 3 rounds
+    # the step's anchors: the loop's, topped up with uniform ones to anchors_per_sequence
+    used = []
+    real_block_states = trainer_module.Trainer.block_states
+    monkeypatch.setattr(trainer_module.Trainer, "block_states",
+                        lambda self, item, anchors, block_ids: used.append(anchors) or real_block_states(
+                            self, item, anchors, block_ids))
+    history = trainer.train()
+    assert history[-1]["step"] == 2 and math.isfinite(history[-1]["loss"])
+    assert sum(len(a) == 12 for a in used) == 4  # a window drafted for each sequence of the 2 steps
+    trained = [a for a in used if len(a) == 6]  # the loss's anchors
+    assert trained and all(len(set(a.tolist())) == 6 and (a.diff() > 0).all() for a in trained)
+    with pytest.raises(ValueError, match=r"loop_anchor_share=0.0, but .* trained with loop_anchor_share=1.0"):
+        make_trainer(tmp_path / "loop", steps=3, sequences=sequences).train(resume=True)
+    for bad in (-0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"loop_anchor_share must be in \[0, 1\]"):
+            TrainingConfig(loop_anchor_share=bad).validate()

@@ -359,6 +359,7 @@ def _training_config(args, precision: str) -> TrainingConfig:
         hidden_weight=args.hidden_weight,
         loss_gamma=args.loss_gamma,
         copy_weight=args.copy_weight,
+        loop_anchor_share=args.loop_anchor_share,
     )
 
 

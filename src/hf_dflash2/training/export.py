@@ -75,6 +75,7 @@ def export_head(
         "hidden_weight": config.get("hidden_weight", 0.0),
         "loss_gamma": decay_gamma(drafter.config.block_size, config.get("loss_gamma")),  # the decay the run used
         "copy_weight": config.get("copy_weight", 1.0),
+        "loop_anchor_share": config.get("loop_anchor_share", 0.0),
         "draft_vocab_size": config.get("draft_vocab_size"),
         "mixed_precision": config.get("mixed_precision"),
         "initialized_from": state.get("initialized_from"),

@@ -91,6 +91,12 @@ class TrainingConfig:
     # positions are such copies; docs/training.md). Below 1 the head's capacity goes to the
     # text no copy drafts.
     copy_weight: float = 1.0
+    # 0: off. Otherwise the share of each sequence's anchors placed where the loop's rounds start under the
+    # head being trained (on-policy anchors): drafts for a window of twice ``anchors_per_sequence`` positions
+    # are made without gradient, the target's argmax judges them as the loop would, and the anchors are the
+    # positions the loop's next rounds start at (``loop_round_starts``), each just after a rejected draft.
+    # Uniform anchors fill the rest. Costs a forward pass over the window per sequence.
+    loop_anchor_share: float = 0.0
     extra: dict = field(default_factory=dict)
 
     def warmup_length(self) -> int:
@@ -135,6 +141,8 @@ class TrainingConfig:
             raise ValueError(f"loss_gamma must be a finite number > 0 (or None: by block size), got {self.loss_gamma}")
         if not 0 <= self.copy_weight <= 1:  # also refuses NaN
             raise ValueError(f"copy_weight must be in [0, 1] (1: off), got {self.copy_weight}")
+        if not 0 <= self.loop_anchor_share <= 1:
+            raise ValueError(f"loop_anchor_share must be in [0, 1] (0: off), got {self.loop_anchor_share}")
 
 
 def learning_rate_factor(config: TrainingConfig):
@@ -225,6 +233,22 @@ def sample_anchors(num_tokens: int, response_start: int, count: int, generator: 
     candidates = num_tokens - 1 - response_start
     picks = torch.randperm(candidates, generator=generator)[: min(count, candidates)]
     return (picks + response_start).sort().values
+
+
+def loop_round_starts(accepted: torch.Tensor, first: int) -> torch.Tensor:
+    """Where the loop's rounds start when a round from anchor ``first + i`` commits ``accepted[i]`` drafts and
+    the target's own next token: [first, first + accepted[0] + 1, ...], up to ``first + len(accepted) - 1``.
+    accepted: [W] drafts the target accepts from each anchor of a window of W consecutive positions."""
+    starts, position, end = [], first, first + len(accepted)
+    while position < end:
+        starts.append(position)
+        position += int(accepted[position - first]) + 1
+    return torch.tensor(starts, dtype=torch.long)
+
+
+def accepted_drafts(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """tokens, labels: [n, B-1] drafts and the target's argmax (-100 past the end) -> [n] leading matches."""
+    return (tokens == labels).int().cumprod(-1).sum(-1)
 
 
 def sequence_blocks(ids: torch.Tensor, block_size: int, anchors: torch.Tensor, mask_token_id: int):
@@ -635,25 +659,17 @@ class Trainer:
         return order[start : start + self.config.batch_size].tolist()
 
     # ----------------------------------------------------------------- one step
-    def sequence_loss(self, index: int, step: int):
+    def block_states(self, item: dict, anchors: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        """The head's final-normed states at the drafted positions of each anchor's block, [n, B-1, H], for
+        anchors [n] of one sequence (``item``) and their blocks ``block_ids`` [n, B]; under autocast, with
+        gradient where it is enabled."""
         drafter = self.accelerator.unwrap_model(self.drafter)
         cfg = drafter.config
         device = self.accelerator.device
-        item = self.sequence_item(index)
-        ids = item["input_ids"]
-        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 7919 + index)
-        anchors = sample_anchors(len(ids), item["response_start"], self.config.anchors_per_sequence, generator)
-        block_ids, labels, predecessors = sequence_blocks(ids, cfg.block_size, anchors, cfg.mask_token_id)
-        soft = None
-        if self.config.label_source != "data":
-            labels, predecessors, soft = target_labels_for_blocks(
-                item, anchors, cfg.block_size, self.config.label_source
-            )
         features = item["features"].to(device)
         if self.feature_scale is not None:
             features = features.float() / self.feature_scale
-        num_tokens = features.shape[1]
-        positions = torch.arange(num_tokens, device=device)[None]
+        positions = torch.arange(features.shape[1], device=device)[None]
         anchors = anchors.to(device)[None]
         with self.accelerator.autocast():
             mask = drafter.block_attention_mask(
@@ -666,14 +682,59 @@ class Trainer:
                 )
             block_positions = (anchors[..., None] + torch.arange(cfg.block_size, device=device)).flatten(1)
             embeds = drafter.embed(block_ids.to(device))[None]
-            hidden = self.drafter(
+            return self.drafter(
                 embeds,
                 block_positions,
                 mask,
                 context_features=features,
                 context_positions=positions,
                 sliding_attention_mask=sliding,
-            )[0, :, 1:]  # [n, B-1, H]
+            )[0, :, 1:]
+
+    @torch.no_grad()
+    def loop_anchors(self, item: dict, count: int, generator: torch.Generator) -> torch.Tensor:
+        """Up to ``count`` anchors where the loop's rounds start in a random window of ``2 * count`` positions
+        of the response, the head as it is now drafting greedily (its path selector included) and the target's
+        argmax judging (the text itself with ``label_source="data"``; ``TrainingConfig.loop_anchor_share``)."""
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        cfg = drafter.config
+        ids, response_start = item["input_ids"], item["response_start"]
+        last = len(ids) - 2  # the last position a block can start at
+        width = min(2 * count, last - response_start + 1)
+        first = response_start + int(torch.randint(last - response_start - width + 2, (1,), generator=generator))
+        window = torch.arange(first, first + width)
+        block_ids, labels, _ = sequence_blocks(ids, cfg.block_size, window, cfg.mask_token_id)
+        if self.config.label_source != "data":  # the target's argmax judges, as the loop's verify does
+            labels, _, _ = target_labels_for_blocks(item, window, cfg.block_size, "argmax")
+        hidden = self.block_states(item, window, block_ids)
+        with self.accelerator.autocast():  # over the training vocabulary, as the loss reads the head
+            logits = drafter.finish_logits(F.linear(hidden, self.head_weight(hidden.dtype)))
+            anchor_ids = ids[window].to(hidden.device)
+            tokens = drafter.propose(hidden, logits, anchor_ids, vocab=self.vocab_subset).tokens.cpu()
+        return loop_round_starts(accepted_drafts(tokens, labels), first)[:count]
+
+    def sequence_loss(self, index: int, step: int):
+        drafter = self.accelerator.unwrap_model(self.drafter)
+        cfg = drafter.config
+        device = self.accelerator.device
+        item = self.sequence_item(index)
+        ids = item["input_ids"]
+        generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 7919 + index)
+        count = self.config.anchors_per_sequence
+        anchors = sample_anchors(len(ids), item["response_start"], count, generator)
+        if self.config.loop_anchor_share > 0:
+            from_loop = self.loop_anchors(item, round(count * self.config.loop_anchor_share), generator)
+            uniform = anchors[~torch.isin(anchors, from_loop)][: max(0, count - len(from_loop))]
+            anchors = torch.cat([from_loop, uniform]).sort().values
+        block_ids, labels, predecessors = sequence_blocks(ids, cfg.block_size, anchors, cfg.mask_token_id)
+        soft = None
+        if self.config.label_source != "data":
+            labels, predecessors, soft = target_labels_for_blocks(
+                item, anchors, cfg.block_size, self.config.label_source
+            )
+        hidden = self.block_states(item, anchors, block_ids)  # [n, B-1, H]
+        anchors = anchors.to(device)[None]
+        with self.accelerator.autocast():
             keep = self.config.loss_positions or hidden.shape[1]
             if self.vocab_subset is not None:  # a token the head can never draft is no label
                 labels = torch.where(torch.isin(labels, self.vocab_subset.cpu()), labels, -100)
@@ -850,7 +911,7 @@ class Trainer:
         state = torch.load(self.checkpoint_path, map_location=self.accelerator.device, weights_only=False)
         # The average must cover the run from its step 0; one run has one objective (the recipe records one value).
         for name, default in (("ema_decay", 0.0), ("loss_gamma", None), ("lr_schedule", "cosine"),
-                              ("copy_weight", 1.0)):
+                              ("copy_weight", 1.0), ("loop_anchor_share", 0.0)):
             trained, asked = state["config"].get(name, default), getattr(self.config, name)
             if trained != asked:
                 raise ValueError(
