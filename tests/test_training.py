@@ -1032,30 +1032,45 @@ def test_the_loops_round_starts_follow_each_rounds_accepted_drafts():
 
 
 def test_loop_anchors_start_where_the_loops_rounds_start_and_train(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
     from hf_dflash2.training import trainer as trainer_module
 
+    # token t sits at position t - 3, so a draft can be made right or wrong from its anchor's token alone
     sequences = [{"input_ids": list(range(3, 43)), "response_start": 4} for _ in range(4)]
-    trainer = make_trainer(tmp_path / "loop", steps=2, sequences=sequences, loop_anchor_share=1.0)
+    trainer = make_trainer(tmp_path / "loop", steps=2, sequences=sequences, loop_anchor_share=0.5)
+    drafter = trainer.accelerator.unwrap_model(trainer.drafter)
     item = trainer.sequence_item(0)
-    # every draft of a fresh head is rejected: the rounds start at every position of the window
-    starts = trainer.loop_anchors(item, 6, torch.Generator().manual_seed(0))
-    assert len(starts) == 6 and (starts.diff() == 1).all() and starts.min() >= 4 and starts.max() <= 38
-    # a head whose drafts are all accepted: the rounds step by the block (anchor + 3 drafts)
-    monkeypatch.setattr(trainer_module, "accepted_drafts", lambda tokens, labels: torch.full((len(tokens),), 3))
-    starts = trainer.loop_anchors(item, 6, torch.Generator().manual_seed(0))
-    assert len(starts) == 3 and (starts.diff() == 4).all()  # a window of 12 positions holds 3 rounds
-    # the step's anchors: the loop's, topped up with uniform ones to anchors_per_sequence
+
+    def drafting(right: int):  # the first `right` drafts after each anchor are the text's, the rest wrong
+        def propose(hidden, logits, anchor_ids, vocab=None):
+            text = anchor_ids[:, None] + torch.arange(1, hidden.shape[1] + 1)
+            return SimpleNamespace(tokens=torch.where(torch.arange(hidden.shape[1]) < right, text, 0))
+        return propose
+
+    rounds = {}
+    for right in (0, 1, 3):
+        monkeypatch.setattr(drafter, "propose", drafting(right))
+        rounds[right] = trainer.loop_anchors(item, 12, 12, torch.Generator().manual_seed(0))
+    first = int(rounds[0][0])
+    assert 4 <= first <= 38 - 11  # a window of 12 inside the response
+    assert rounds[0].tolist() == list(range(first, first + 12))  # nothing accepted: a round at every position
+    assert rounds[1].tolist() == list(range(first, first + 12, 2))  # one draft and the target's token a round
+    assert rounds[3].tolist() == list(range(first, first + 12, 4))  # the whole block (anchor + 3 drafts)
+    assert trainer.loop_anchors(item, 2, 12, torch.Generator().manual_seed(0)).tolist() == rounds[3][:2].tolist()
+    monkeypatch.undo()
+
+    # a step's anchors: half the loop's (ceil of 6 * 0.5), the rest a random subset of the uniform ones
     used = []
     real_block_states = trainer_module.Trainer.block_states
-    monkeypatch.setattr(trainer_module.Trainer, "block_states",
-                        lambda self, item, anchors, block_ids: used.append(anchors) or real_block_states(
-                            self, item, anchors, block_ids))
+    monkeypatch.setattr(trainer_module.Trainer, "block_states", lambda self, item, anchors, block_ids, module=None:
+                        used.append(anchors) or real_block_states(self, item, anchors, block_ids, module))
     history = trainer.train()
     assert history[-1]["step"] == 2 and math.isfinite(history[-1]["loss"])
-    assert sum(len(a) == 12 for a in used) == 4  # a window drafted for each sequence of the 2 steps
+    assert sum(len(a) == 12 for a in used) == 4  # a window of twice the anchors drafted for each sequence
     trained = [a for a in used if len(a) == 6]  # the loss's anchors
-    assert trained and all(len(set(a.tolist())) == 6 and (a.diff() > 0).all() for a in trained)
-    with pytest.raises(ValueError, match=r"loop_anchor_share=0.0, but .* trained with loop_anchor_share=1.0"):
+    assert len(trained) == 4 and all(len(set(a.tolist())) == 6 and (a.diff() > 0).all() for a in trained)
+    with pytest.raises(ValueError, match=r"loop_anchor_share=0.0, but .* trained with loop_anchor_share=0.5"):
         make_trainer(tmp_path / "loop", steps=3, sequences=sequences).train(resume=True)
     for bad in (-0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"loop_anchor_share must be in \[0, 1\]"):

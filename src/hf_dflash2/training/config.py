@@ -245,7 +245,7 @@ class TrainSettings(TargetSettings):
         "same anchor (1: off; below 1 the head learns more of the text no copy drafts)"))
     loop_anchor_share: float = field(default=TrainingConfig.loop_anchor_share, metadata=_help(
         "share of each sequence's anchors placed where the loop's rounds start under the head being trained "
-        "(on-policy: just after its rejected drafts, found in a window of twice --anchors positions; 0: off)"))
+        "(on-policy: found by drafting a window of twice --anchors positions without gradient; 0: off)"))
     selector_weight: float = field(default=TrainingConfig.selector_weight, metadata=_help(
         "weight of the selector's loss beside the per-position loss"))
     vocab_subset: str = field(default=TrainingConfig.vocab_subset, metadata=_help(

@@ -94,8 +94,9 @@ class TrainingConfig:
     # 0: off. Otherwise the share of each sequence's anchors placed where the loop's rounds start under the
     # head being trained (on-policy anchors): drafts for a window of twice ``anchors_per_sequence`` positions
     # are made without gradient, the target's argmax judges them as the loop would, and the anchors are the
-    # positions the loop's next rounds start at (``loop_round_starts``), each just after a rejected draft.
-    # Uniform anchors fill the rest. Costs a forward pass over the window per sequence.
+    # positions the loop's rounds start at (``loop_round_starts``): after the window's first, each follows a
+    # rejected draft or a fully accepted block. Uniform anchors fill the rest. Costs a forward pass without
+    # gradient per sequence.
     loop_anchor_share: float = 0.0
     extra: dict = field(default_factory=dict)
 
@@ -659,10 +660,11 @@ class Trainer:
         return order[start : start + self.config.batch_size].tolist()
 
     # ----------------------------------------------------------------- one step
-    def block_states(self, item: dict, anchors: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    def block_states(self, item: dict, anchors: torch.Tensor, block_ids: torch.Tensor, module=None) -> torch.Tensor:
         """The head's final-normed states at the drafted positions of each anchor's block, [n, B-1, H], for
         anchors [n] of one sequence (``item``) and their blocks ``block_ids`` [n, B]; under autocast, with
-        gradient where it is enabled."""
+        gradient where it is enabled. ``module``: the head to run (default: the prepared one, which a
+        distributed run wraps; a pass without gradient runs the bare head and skips the wrapper's hooks)."""
         drafter = self.accelerator.unwrap_model(self.drafter)
         cfg = drafter.config
         device = self.accelerator.device
@@ -682,7 +684,7 @@ class Trainer:
                 )
             block_positions = (anchors[..., None] + torch.arange(cfg.block_size, device=device)).flatten(1)
             embeds = drafter.embed(block_ids.to(device))[None]
-            return self.drafter(
+            return (module or self.drafter)(
                 embeds,
                 block_positions,
                 mask,
@@ -692,23 +694,28 @@ class Trainer:
             )[0, :, 1:]
 
     @torch.no_grad()
-    def loop_anchors(self, item: dict, count: int, generator: torch.Generator) -> torch.Tensor:
-        """Up to ``count`` anchors where the loop's rounds start in a random window of ``2 * count`` positions
-        of the response, the head as it is now drafting greedily (its path selector included) and the target's
-        argmax judging (the text itself with ``label_source="data"``; ``TrainingConfig.loop_anchor_share``)."""
+    def loop_anchors(self, item: dict, count: int, width: int, generator: torch.Generator) -> torch.Tensor:
+        """Up to ``count`` anchors where the loop's rounds start in a random window of ``width`` positions of
+        the response (``TrainingConfig.loop_anchor_share``): the head as it is now drafts each position's
+        block greedily (its path selector included), the target's argmax judges it (the text itself with
+        ``label_source="data"``), and every round verifies the whole block, as the head-alone loop does."""
         drafter = self.accelerator.unwrap_model(self.drafter)
         cfg = drafter.config
         ids, response_start = item["input_ids"], item["response_start"]
         last = len(ids) - 2  # the last position a block can start at
-        width = min(2 * count, last - response_start + 1)
+        width = min(width, last - response_start + 1)
         first = response_start + int(torch.randint(last - response_start - width + 2, (1,), generator=generator))
         window = torch.arange(first, first + width)
         block_ids, labels, _ = sequence_blocks(ids, cfg.block_size, window, cfg.mask_token_id)
         if self.config.label_source != "data":  # the target's argmax judges, as the loop's verify does
             labels, _, _ = target_labels_for_blocks(item, window, cfg.block_size, "argmax")
-        hidden = self.block_states(item, window, block_ids)
+        hidden = self.block_states(item, window, block_ids, module=drafter)
+        bias = drafter.bound_target.lm_head_bias
+        if bias is not None and self.vocab_subset is not None:
+            bias = bias[self.vocab_subset]
         with self.accelerator.autocast():  # over the training vocabulary, as the loss reads the head
-            logits = drafter.finish_logits(F.linear(hidden, self.head_weight(hidden.dtype)))
+            flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight(hidden.dtype), bias)
+            logits = drafter.finish_logits(flat.view(*hidden.shape[:-1], -1))
             anchor_ids = ids[window].to(hidden.device)
             tokens = drafter.propose(hidden, logits, anchor_ids, vocab=self.vocab_subset).tokens.cpu()
         return loop_round_starts(accepted_drafts(tokens, labels), first)[:count]
@@ -723,8 +730,10 @@ class Trainer:
         count = self.config.anchors_per_sequence
         anchors = sample_anchors(len(ids), item["response_start"], count, generator)
         if self.config.loop_anchor_share > 0:
-            from_loop = self.loop_anchors(item, round(count * self.config.loop_anchor_share), generator)
-            uniform = anchors[~torch.isin(anchors, from_loop)][: max(0, count - len(from_loop))]
+            share = max(1, math.ceil(count * self.config.loop_anchor_share))
+            from_loop = self.loop_anchors(item, share, 2 * count, generator)
+            uniform = anchors[torch.randperm(len(anchors), generator=generator)]  # a random subset, not the first
+            uniform = uniform[~torch.isin(uniform, from_loop)][: max(0, count - len(from_loop))]
             anchors = torch.cat([from_loop, uniform]).sort().values
         block_ids, labels, predecessors = sequence_blocks(ids, cfg.block_size, anchors, cfg.mask_token_id)
         soft = None
