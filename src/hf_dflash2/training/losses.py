@@ -43,6 +43,23 @@ def sparse_cross_entropy(
     return -(weights * log_q.gather(-1, local)).sum(-1)
 
 
+def training_logits(drafter, hidden: torch.Tensor, vocab_subset: torch.Tensor | None = None,
+                    head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """hidden: [..., H] final-normed drafter states -> the head's unary logits [..., V'] over ``vocab_subset``
+    (None: the whole vocabulary), through the frozen LM head (``head_weight``: its rows for the subset, as
+    ``block_loss`` takes it) and its bias, then the head's ``finish_logits``."""
+    bound = drafter.bound_target
+    head = head_weight
+    if head is None:
+        head = bound.lm_head_weight if vocab_subset is None else bound.lm_head_weight[vocab_subset]
+    bias = bound.lm_head_bias
+    if bias is not None and vocab_subset is not None:
+        bias = bias[vocab_subset]
+    # 2-D, so a non-contiguous hidden never makes F.linear copy the LM head (see ``unary_logits``).
+    flat_logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), head.to(hidden.dtype), bias)
+    return drafter.finish_logits(flat_logits.view(*hidden.shape[:-1], head.shape[0]))
+
+
 def block_loss(
     drafter,
     hidden: torch.Tensor,
@@ -80,16 +97,7 @@ def block_loss(
     if label_weights is not None:
         weights = weights * label_weights
     norm = weights.sum().clamp_min(1e-6)
-    bound = drafter.bound_target
-    head = head_weight
-    if head is None:
-        head = bound.lm_head_weight if vocab_subset is None else bound.lm_head_weight[vocab_subset]
-    bias = bound.lm_head_bias
-    if bias is not None and vocab_subset is not None:
-        bias = bias[vocab_subset]
-    # 2-D, so a non-contiguous hidden never makes F.linear copy the LM head (see ``unary_logits``).
-    flat_logits = F.linear(hidden.reshape(-1, hidden.shape[-1]), head.to(hidden.dtype), bias)
-    logits = drafter.finish_logits(flat_logits.view(*hidden.shape[:-1], head.shape[0]))
+    logits = training_logits(drafter, hidden, vocab_subset, head_weight)
     if logit_scale != 1.0:
         logits = logits * logit_scale
     safe_labels = labels.clamp_min(0)

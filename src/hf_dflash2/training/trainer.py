@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale
 from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, last_position, ngram_draft, tapped_features
-from .losses import block_loss, decay_gamma
+from .losses import block_loss, decay_gamma, training_logits
 
 logger = logging.getLogger(__name__)
 
@@ -710,12 +710,8 @@ class Trainer:
         if self.config.label_source != "data":  # the target's argmax judges, as the loop's verify does
             labels, _, _ = target_labels_for_blocks(item, window, cfg.block_size, "argmax")
         hidden = self.block_states(item, window, block_ids, module=drafter)
-        bias = drafter.bound_target.lm_head_bias
-        if bias is not None and self.vocab_subset is not None:
-            bias = bias[self.vocab_subset]
         with self.accelerator.autocast():  # over the training vocabulary, as the loss reads the head
-            flat = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.head_weight(hidden.dtype), bias)
-            logits = drafter.finish_logits(flat.view(*hidden.shape[:-1], -1))
+            logits = training_logits(drafter, hidden, self.vocab_subset, self.head_weight(hidden.dtype))
             anchor_ids = ids[window].to(hidden.device)
             tokens = drafter.propose(hidden, logits, anchor_ids, vocab=self.vocab_subset).tokens.cpu()
         return loop_round_starts(accepted_drafts(tokens, labels), first)[:count]
