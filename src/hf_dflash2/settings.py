@@ -139,7 +139,8 @@ class CardSettings:
 class BenchCommand:
     """``bench``'s own switch beside the run's ``BenchSettings``: what the command does instead of a run."""
 
-    profile: bool = field(default=False, metadata={"help": "print the verify cost model of the head and exit"})
+    profile: bool = field(default=False, metadata={
+        "help": "print the verify and draft costs the default loop decides with at --batch-size, and exit"})
 
 
 @dataclass

@@ -590,21 +590,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def print_cost_profile(settings: BenchSettings) -> int:
-    """``bench --profile``: the measured (or cached) verify / draft costs the adaptive loop decides with
-    (under the attention the fast loop runs, ``cpu.attention.packed_gqa_attention``)."""
-    from ..cost_model_dflash2 import load_or_measure_cost_model
+def loop_cost_model(target, head, batch_size: int, linear_kernel: str | None = "auto", expected_context: int = 256):
+    """The cost model ``speculative_generate`` decides with, called with its defaults on ``batch_size`` rows of
+    about ``expected_context`` tokens (prompt plus half the new ones): its block widened for n-gram drafts,
+    each forward on the linear kernel it runs (``ForwardKernels``), its packed attention, timed at the context
+    ``cost_context_length`` picks. Measured and cached when missing, as the loop would."""
+    from .. import cost_model_dflash2 as cost_models
     from ..cpu.attention import packed_gqa_attention
+    from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, round_block_size
+
+    block_size = round_block_size(head, DEFAULT_NGRAM_SIZE)
+    head.bind_target(target)
+    with packed_gqa_attention(target), ForwardKernels(target, head, batch_size, block_size, linear_kernel):
+        return cost_models.load_or_measure_cost_model(
+            target, head, batch_size, block_size,
+            context_length=cost_models.cost_context_length(batch_size, expected_context))
+
+
+def print_cost_profile(settings: BenchSettings) -> int:
+    """``bench --profile``: the verify / draft costs the default loop decides with (``loop_cost_model``)."""
     from ..cpu.precision import load_target_for_decoding
 
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                          settings.linear_kernel)
     head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
-    with packed_gqa_attention(target):
-        model = load_or_measure_cost_model(target, head, settings.batch_size)
-    print(f"cost model ({model.key['device']}, {model.key['dtype']}, {model.key['linear_kernel']} linears, "
-          f"{model.key['attention']} attention, "
-          f"batch {settings.batch_size}):\n{model.table()}")
+    model = loop_cost_model(target, head, settings.batch_size, settings.linear_kernel)
+    print(f"cost model ({model.key['device']}, {model.key['dtype']}, linear kernels {model.key['linear_kernel']}, "
+          f"{model.key['attention']} attention, batch {settings.batch_size}, block {model.block_size}, "
+          f"timed at a {model.key['context_length']}-token context):\n{model.table()}")
     return 0
 
 
