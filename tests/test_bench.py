@@ -107,6 +107,18 @@ def test_texts_drop_trailing_padding_only():
     assert generated_texts(sequences, 2, pad_token_id=0) == [(5, 0, 6), (1, 2, 3, 4, 5)]
 
 
+def test_plain_generate_counts_each_rows_eos_as_the_loop_does():
+    """SmolLM2's pad id is its EOS: a row that ended counts its EOS (the loop's ``num_generated`` does), the
+    padding after it does not, and a row that never ended counts every column."""
+    from hf_dflash2.evaluation.bench import generated_tokens
+
+    sequences = torch.tensor([[9, 9, 4, 2, 2, 2], [9, 9, 4, 5, 6, 7], [9, 9, 2, 2, 2, 2]])
+    assert generated_tokens(sequences, 2, eos_token_id=2) == 2 + 4 + 1
+    assert generated_tokens(sequences, 2, eos_token_id=[7, 2]) == 2 + 4 + 1
+    assert generated_tokens(sequences, 2, eos_token_id=None) == 12
+    assert generated_tokens(torch.tensor([[9, 4, 7, 2]]), 1, eos_token_id=2) == 3  # batch 1: generate stops at EOS
+
+
 def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_there():
     from types import SimpleNamespace
 

@@ -44,7 +44,7 @@ runner = Runner(target, tokenizer, {"dflash2": head}, args.tokens, args.temperat
 prompts = load_prompt_set(args.set, args.prompt + args.batch_size)[args.prompt :]
 if len(prompts) < args.batch_size:
     parser.error(f"--prompt {args.prompt} --batch-size {args.batch_size}: the {args.set} set has "
-                 f"{args.prompt + len(prompts)} prompts")
+                 f"{len(load_prompt_set(args.set))} prompts")
 ids, mask = left_pad([encode_prompt(tokenizer, p, target.device) for p in prompts], tokenizer.pad_token_id)
 
 

@@ -140,7 +140,7 @@ class BenchCommand:
     """``bench``'s own switch beside the run's ``BenchSettings``: what the command does instead of a run."""
 
     profile: bool = field(default=False, metadata={
-        "help": "print the verify and draft costs the default loop decides with at --batch-size, and exit"})
+        "help": "print the verify and draft costs the default loop starts from at --batch-size, and exit"})
 
 
 @dataclass

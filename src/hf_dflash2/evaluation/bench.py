@@ -137,6 +137,16 @@ def generated_texts(sequences: torch.Tensor, prompt_length: int, pad_token_id: i
     return texts
 
 
+def generated_tokens(sequences: torch.Tensor, prompt_length: int, eos_token_id) -> int:
+    """Tokens a plain ``generate`` call produced over its rows, counted as the fast loop counts ``num_generated``:
+    each row up to and including its first EOS (``generate`` pads the columns after it), every column for a
+    row without one. Counting the tokens that are not the pad id would miss each EOS when the pad id is EOS."""
+    new = sequences[:, prompt_length:]
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    ends = torch.isin(new, torch.tensor(ids, dtype=new.dtype, device=new.device))
+    return int(torch.where(ends.any(1), ends.int().argmax(1) + 1, new.shape[1]).sum())
+
+
 class Runner:
     """Runs one method on one batch of prompts; returns generated token count, wall time, stats, texts."""
 
@@ -209,7 +219,7 @@ class Runner:
         if method in ("ar", "ar_onednn"):
             with ForwardKernels(self.target, None, ids.shape[0], 1, PLAIN_KERNELS[method]):
                 out = self.target.generate(ids, attention_mask=mask, **common)
-            generated = (out[:, ids.shape[1] :] != self.pad).sum().item() if ids.shape[0] > 1 else out.shape[1] - ids.shape[1]
+            generated = generated_tokens(out, ids.shape[1], self.eos)
         elif method == "zlab_reference":
             import dflash.model as reference_loop
 
@@ -591,10 +601,12 @@ def cmd_bench(args) -> int:
 
 
 def loop_cost_model(target, head, batch_size: int, linear_kernel: str | None = "auto", expected_context: int = 256):
-    """The cost model ``speculative_generate`` decides with, called with its defaults on ``batch_size`` rows of
-    about ``expected_context`` tokens (prompt plus half the new ones): its block widened for n-gram drafts,
-    each forward on the linear kernel it runs (``ForwardKernels``), its packed attention, timed at the context
-    ``cost_context_length`` picks. Measured and cached when missing, as the loop would."""
+    """The cost model ``speculative_generate`` starts from, called with its defaults on ``batch_size`` rows of
+    about ``expected_context`` tokens (prompt plus half the new ones): its block widened for n-gram drafts
+    (as far from the context limit as short prompts are), each forward on the linear kernel it runs
+    (``ForwardKernels``), its packed attention, timed at the context ``cost_context_length`` picks. Measured
+    and cached when missing, as the loop would. The adaptive policy then scales it by the call's own timed
+    rounds."""
     from .. import cost_model_dflash2 as cost_models
     from ..cpu.attention import packed_gqa_attention
     from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, round_block_size
@@ -608,7 +620,7 @@ def loop_cost_model(target, head, batch_size: int, linear_kernel: str | None = "
 
 
 def print_cost_profile(settings: BenchSettings) -> int:
-    """``bench --profile``: the verify / draft costs the default loop decides with (``loop_cost_model``)."""
+    """``bench --profile``: the verify / draft costs the default loop starts from (``loop_cost_model``)."""
     from ..cpu.precision import load_target_for_decoding
 
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
