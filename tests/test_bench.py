@@ -112,9 +112,9 @@ def test_plain_generate_counts_each_rows_eos_as_the_loop_does():
     padding after it does not, and a row that never ended counts every column."""
     from hf_dflash2.evaluation.bench import generated_tokens
 
-    sequences = torch.tensor([[9, 9, 4, 2, 2, 2], [9, 9, 4, 5, 6, 7], [9, 9, 2, 2, 2, 2]])
+    sequences = torch.tensor([[9, 9, 4, 2, 2, 2], [9, 9, 4, 7, 6, 5], [9, 9, 2, 2, 2, 2]])
     assert generated_tokens(sequences, 2, eos_token_id=2) == 2 + 4 + 1
-    assert generated_tokens(sequences, 2, eos_token_id=[7, 2]) == 2 + 4 + 1
+    assert generated_tokens(sequences, 2, eos_token_id=[7, 2]) == 2 + 2 + 1
     assert generated_tokens(sequences, 2, eos_token_id=None) == 12
     assert generated_tokens(torch.tensor([[9, 4, 7, 2]]), 1, eos_token_id=2) == 3  # batch 1: generate stops at EOS
 

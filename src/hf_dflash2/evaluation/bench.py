@@ -141,9 +141,10 @@ def generated_tokens(sequences: torch.Tensor, prompt_length: int, eos_token_id) 
     """Tokens a plain ``generate`` call produced over its rows, counted as the fast loop counts ``num_generated``:
     each row up to and including its first EOS (``generate`` pads the columns after it), every column for a
     row without one. Counting the tokens that are not the pad id would miss each EOS when the pad id is EOS."""
+    from ..generation.config import eos_tensor
+
     new = sequences[:, prompt_length:]
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    ends = torch.isin(new, torch.tensor(ids, dtype=new.dtype, device=new.device))
+    ends = torch.isin(new, eos_tensor(eos_token_id, new.device))
     return int(torch.where(ends.any(1), ends.int().argmax(1) + 1, new.shape[1]).sum())
 
 
