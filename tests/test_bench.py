@@ -195,7 +195,7 @@ def test_bench_profile_shows_the_cost_model_the_default_loop_decides_with(monkey
     its attention, at the loop's context, for the batch asked; not the model as loaded at the head's block."""
     from hf_dflash2 import cost_model_dflash2 as cm
     from hf_dflash2 import speculative_generate
-    from hf_dflash2.evaluation.bench import loop_cost_model
+    from hf_dflash2.generation.loop import loop_cost_model
     from hf_dflash2.kernels_dflash2 import onednn_available
 
     target = tiny_target(vocab_size=64, layers=2)

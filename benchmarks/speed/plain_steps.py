@@ -22,7 +22,7 @@ import torch
 from hf_dflash2 import speculative_generate
 from hf_dflash2.assets import load_prompt_set, load_target
 from hf_dflash2.cost_model_dflash2 import ForcedVerifyLengths
-from hf_dflash2.evaluation.bench import BASELINE_METHODS, Runner
+from hf_dflash2.evaluation.bench import BASELINE_METHODS, Runner, fastest_baseline, seconds_per_token
 from hf_dflash2.prompts import default_head, encode_prompt, left_pad, load_head
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,24 +65,24 @@ def run(method: str, seed: int):
 
 
 methods = [m for m in BASELINE_METHODS if runner.supports(m, args.batch_size) is None] + ["dflash2_fast", "plain_only"]
-seconds_per_token = {method: [] for method in methods}
-tokens = {method: [] for method in seconds_per_token}
-for method in seconds_per_token:  # warm-up
+records = {method: {"seconds": [], "tokens": []} for method in methods}  # the bench's own record shape
+for method in records:  # warm-up
     run(method, 0)
 for repeat in range(args.repeats):
-    for method in seconds_per_token:
+    for method in records:
         generated, seconds, stats = run(method, repeat)
-        seconds_per_token[method].append(seconds / generated)
-        tokens[method].append(generated)
+        records[method]["seconds"].append(seconds)
+        records[method]["tokens"].append(generated)
         if stats is not None and repeat == 0:
             print(method, "rounds", stats.rounds, "draft passes", stats.draft_passes,
                   "tau", round(stats.acceptance_length, 2), "n-gram rounds", stats.ngram_rounds,
                   "tree rounds", stats.tree_rounds)
 
-fastest = min(BASELINE_METHODS, key=lambda m: statistics.median(seconds_per_token.get(m, [float("inf")])))
-baseline = statistics.median(seconds_per_token[fastest])
+fastest = fastest_baseline(records)
+baseline = statistics.median(seconds_per_token(records[fastest]))
 print(f"baseline: {fastest}, the faster plain generate here; ms per generated token (a batch step over its rows)")
-for method, values in seconds_per_token.items():
+for method, record in records.items():
+    values = seconds_per_token(record)
     median = statistics.median(values)
     print(f"{method:14s} ms/token median {1000 * median:.2f}  speedup {baseline / median:.3f}  "
-          f"all {[round(1000 * value, 1) for value in values]}  tokens {tokens[method]}")
+          f"all {[round(1000 * value, 1) for value in values]}  tokens {record['tokens']}")

@@ -698,6 +698,13 @@ def cost_context_length(batch_size: int, expected_context: int = 256) -> int:
     return max(16, min(nearest, 4096 // batch_size))
 
 
+def starting_cost_model(target, drafter, batch_size: int, block_size: int, expected_context: int = 256) -> CostModel:
+    """The cost model an adaptive call starts from: measured (or read from the cache) for the target and drafter
+    as they run now, at the context ``cost_context_length`` picks for about ``expected_context`` tokens."""
+    context = cost_context_length(batch_size, expected_context)
+    return load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
+
+
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
                       policy: VerifyPolicy | None = None, cost_model: CostModel | None = None,
                       reproducible: bool = False, settings_key: tuple = (),
@@ -720,8 +727,7 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
     if not adaptive:
         return FixedVerifyLength().start(block_size)
     if cost_model is None:
-        context = cost_context_length(batch_size, expected_context)
-        cost_model = load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
+        cost_model = starting_cost_model(target, drafter, batch_size, block_size, expected_context)
     if reproducible:
         return AdaptiveVerifyPolicy(cost_model, clock=None).start(block_size)
     parameter = next(target.parameters())

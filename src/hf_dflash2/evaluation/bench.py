@@ -601,28 +601,10 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def loop_cost_model(target, head, batch_size: int, linear_kernel: str | None = "auto", expected_context: int = 256):
-    """The cost model ``speculative_generate`` starts from, called with its defaults on ``batch_size`` rows of
-    about ``expected_context`` tokens (prompt plus half the new ones): its block widened for n-gram drafts
-    (as far from the context limit as short prompts are), each forward on the linear kernel it runs
-    (``ForwardKernels``), its packed attention, timed at the context ``cost_context_length`` picks. Measured
-    and cached when missing, as the loop would. The adaptive policy then scales it by the call's own timed
-    rounds."""
-    from .. import cost_model_dflash2 as cost_models
-    from ..cpu.attention import packed_gqa_attention
-    from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, round_block_size
-
-    block_size = round_block_size(head, DEFAULT_NGRAM_SIZE)
-    head.bind_target(target)
-    with packed_gqa_attention(target), ForwardKernels(target, head, batch_size, block_size, linear_kernel):
-        return cost_models.load_or_measure_cost_model(
-            target, head, batch_size, block_size,
-            context_length=cost_models.cost_context_length(batch_size, expected_context))
-
-
 def print_cost_profile(settings: BenchSettings) -> int:
     """``bench --profile``: the verify / draft costs the default loop starts from (``loop_cost_model``)."""
     from ..cpu.precision import load_target_for_decoding
+    from ..generation.loop import loop_cost_model
 
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                          settings.linear_kernel)

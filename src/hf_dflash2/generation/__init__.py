@@ -18,7 +18,7 @@ from .config import (
     UNSUPPORTED_GENERATION_SETTINGS,
     resolve_generation_config,
 )
-from .loop import prefill, speculative_decode, speculative_generate, verify
+from .loop import loop_cost_model, loop_forwards, prefill, speculative_decode, speculative_generate, verify
 from .outputs import SpeculativeOutput
 from .processors import TargetLogitsProcessors, apply_repetition_penalty
 
@@ -29,6 +29,8 @@ __all__ = [
     "SpeculativeOutput",
     "TargetLogitsProcessors",
     "apply_repetition_penalty",
+    "loop_cost_model",
+    "loop_forwards",
     "prefill",
     "resolve_generation_config",
     "speculative_decode",

@@ -29,15 +29,16 @@ round's verified drafts, w = k + 1 its verified slots, H the target's hidden siz
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from ..cost_model_dflash2 import CostModel, VerifyPolicy, verify_policy_for
+from ..cost_model_dflash2 import CostModel, VerifyPolicy, starting_cost_model, verify_policy_for
 from ..cpu.attention import packed_gqa_attention
 from ..kernels_dflash2 import ForwardKernels
 from ..speculative_dflash2 import (
@@ -316,6 +317,30 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
 
 
 @torch.no_grad()
+@contextlib.contextmanager
+def loop_forwards(target, drafter, n_rows: int, block_size: int, packed_attention: bool = True,
+                  linear_kernel: str | None = "auto") -> Iterator[None]:
+    """What the loop's forwards run on for the length of one call, put back as it was on exit: the packed
+    grouped-query attention (``packed_attention``) and, on CPU, each forward's linear layers on the kernel
+    ``ForwardKernels`` picks for its width (``linear_kernel``)."""
+    with packed_gqa_attention(target, packed_attention), ForwardKernels(target, drafter, n_rows, block_size,
+                                                                        linear_kernel):
+        yield
+
+
+def loop_cost_model(target, drafter, batch_size: int, linear_kernel: str | None = "auto",
+                    expected_context: int = 256) -> CostModel:
+    """The cost model ``speculative_generate`` starts from when called with its defaults on ``batch_size`` rows
+    of about ``expected_context`` tokens (the prompt plus half the new ones): the block it widens for n-gram
+    drafts (as far from the context limit as short prompts are), under ``loop_forwards``. Measured and cached
+    when missing, as the loop would; the adaptive policy then scales it by the call's own timed rounds.
+    ``hf-dflash2 bench --profile`` prints it."""
+    block_size = round_block_size(drafter, DEFAULT_NGRAM_SIZE)
+    drafter.bind_target(target)
+    with loop_forwards(target, drafter, batch_size, block_size, linear_kernel=linear_kernel):
+        return starting_cost_model(target, drafter, batch_size, block_size, expected_context)
+
+
 def speculative_generate(
     target,
     drafter,
@@ -493,8 +518,7 @@ def speculative_generate(
     # the processors in force change which drafts pass: calls under other processors calibrate apart
     settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
                     tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
-    kernels = ForwardKernels(target, drafter, n_rows, block_size, linear_kernel)
-    with packed_gqa_attention(target, packed_attention), kernels:
+    with loop_forwards(target, drafter, n_rows, block_size, packed_attention, linear_kernel):
         running_attention = target.config._attn_implementation
         if cost_model is not None and cost_model.key.get("attention", running_attention) != running_attention:
             warnings.warn(f"cost_model was measured under {cost_model.key['attention']!r} attention, the call runs "
