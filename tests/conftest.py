@@ -54,12 +54,12 @@ def tiny_target(arch: str = "llama", vocab_size: int = 96, hidden_size: int = 64
 def tiny_drafter(target, dflash2: bool = True, block_size: int = 4, layers: int = 2, seed: int = 1, randomize: bool = True, **kwargs):
     """A head for ``target``; ``randomize`` perturbs the identity-initialised conv and selector so
     tests exercise them (a fresh head has them as no-ops)."""
-    from hf_dflash2.training.trainer import new_drafter_for
+    from hf_dflash2 import DFlash2DraftModel
 
     kwargs.setdefault("selector_rank", 16)
     kwargs.setdefault("selector_top_k", 4)
     kwargs.setdefault("mask_token_id", 1)
-    drafter = new_drafter_for(target, num_hidden_layers=layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs)
+    drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs)
     if randomize and dflash2:
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -376,7 +376,7 @@ def test_for_target_builds_a_fresh_head_like_the_config():
 def test_output_scale_damps_a_fresh_heads_output_norm_and_the_logit_ramp_follows():
     from hf_dflash2 import DFlash2DraftModel
     from hf_dflash2.modeling_dflash2 import target_output_scale
-    from hf_dflash2.training.trainer import calibrated_output_factor
+    from hf_dflash2.training.starting_points import calibrated_output_factor
 
     target = trained_like_gemma3(vocab_size=64)
     full = DFlash2DraftModel.for_target(target, block_size=4, mask_token_id=1, selector_rank=16, selector_top_k=4)

@@ -96,7 +96,7 @@ def tiny_recipe(**overrides) -> DistillRecipe:
 def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DFLASH2_CACHE", str(tmp_path / "cache"))  # the default loop's cost model, per test
     # the code prompts from four functions, not the whole standard library
-    monkeypatch.setattr("hf_dflash2.training.distill.default_code_source", lambda: str(CODE_SOURCE))
+    monkeypatch.setattr("hf_dflash2.training.distill.pipeline.default_code_source", lambda: str(CODE_SOURCE))
 
 
 CODE_SOURCE = Path(__file__).parent / "fixtures" / "python_source"

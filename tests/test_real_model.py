@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_dflash2 import speculative_generate
-from hf_dflash2.training.trainer import new_drafter_for
+from hf_dflash2 import DFlash2DraftModel, speculative_generate
 
 PROMPTS = [
     "Write a Python function that checks whether a number is prime.",
@@ -35,7 +34,7 @@ def encode(tokenizer, text):
 def test_real_model_greedy_identity_both_paths(smollm2):
     target, tokenizer = smollm2
     assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576 and target.config.vocab_size == 49152
-    drafter = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=32, target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
+    drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=32, target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
     drafter.eval().bind_target(target)
     for text in PROMPTS:
         ids = encode(tokenizer, text)
@@ -49,7 +48,7 @@ def test_real_model_greedy_identity_both_paths(smollm2):
 
 def test_real_model_batched_rows_equal_single(smollm2):
     target, tokenizer = smollm2
-    drafter = new_drafter_for(target, num_hidden_layers=1, block_size=8, dflash2=False, mask_token_id=0).eval().bind_target(target)
+    drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=1, block_size=8, dflash2=False, mask_token_id=0).eval().bind_target(target)
     rows = [encode(tokenizer, t) for t in PROMPTS[:2]]
     width = max(r.shape[1] for r in rows)
     ids = torch.full((2, width), tokenizer.pad_token_id)

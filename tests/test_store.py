@@ -452,7 +452,7 @@ def test_a_store_run_starts_its_context_from_the_target(tmp_path):
 
 
 def test_final_hidden_states_are_what_the_lm_head_reads_and_line_up_with_the_labels(tmp_path):
-    from hf_dflash2.training.trainer import final_hidden_for_blocks, target_labels_for_blocks
+    from hf_dflash2.training.blocks import final_hidden_for_blocks, target_labels_for_blocks
 
     target = tiny_target(vocab_size=64)
     records = random_records(n=5)

@@ -17,8 +17,9 @@ import torch
 from transformers import DynamicCache
 
 from hf_dflash2.modeling_dflash2 import DFlash2DraftModel
+from hf_dflash2.training.blocks import sample_anchors, sequence_blocks
 from hf_dflash2.training.regenerate import RegenerationConfig, decode_batch, read_regenerated, regenerate
-from hf_dflash2.training.trainer import Trainer, TrainingConfig, feature_scale, sample_anchors, sequence_blocks
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, feature_scale
 
 from .conftest import REPO, tiny_drafter, tiny_target
 
@@ -145,7 +146,7 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
     norms); the q/k norms a Llama target lacks and the conv keep their fresh values; the run trains from
     there. A wrong count, a layer outside the target, a shape the target layer lacks, a parameter the head
     would drop or another MLP activation is refused by name with nothing copied."""
-    from hf_dflash2.training.trainer import copy_target_layers
+    from hf_dflash2.training.starting_points import copy_target_layers
 
     trainer = make_trainer(tmp_path, steps=3)
     drafter = trainer.accelerator.unwrap_model(trainer.drafter)
@@ -219,7 +220,7 @@ def test_head_layers_start_as_copies_of_the_targets_layers_and_train(tmp_path):
 
 
 def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
-    from hf_dflash2.training.trainer import copy_target_layers
+    from hf_dflash2.training.starting_points import copy_target_layers
 
     target = tiny_target("qwen3", vocab_size=64)
     scaled_norms(target)
@@ -233,7 +234,7 @@ def test_a_qwen3_targets_query_and_key_norms_are_copied_too():
     # a norm that applies 1 + w (Gemma's) is copied as the scale it applies, which the head's norms take as w
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from hf_dflash2.training.trainer import _norm_scale
+    from hf_dflash2.training.starting_points import _norm_scale
 
     gemma_norm = Gemma3RMSNorm(8)
     with torch.no_grad():
@@ -245,7 +246,7 @@ def test_a_gemma3_head_layer_copied_from_the_target_computes_the_target_layer():
     """A Gemma head (sandwich norms, the target's tanh GELU) takes every parameter of a Gemma 3 decoder layer,
     norms as the 1 + w they apply, and then computes that layer: on one token (attention to itself only, so
     RoPE and the context drop out) the head layer maps the layer's input to its output."""
-    from hf_dflash2.training.trainer import copy_target_layers
+    from hf_dflash2.training.starting_points import copy_target_layers
 
     target = trained_like_gemma3_layers()
     drafter = tiny_drafter(target, randomize=False)
@@ -290,7 +291,7 @@ def test_a_context_from_the_target_gives_the_copied_layer_the_targets_own_keys_a
     """``--init-context-from-target``: fc passes the tap that the first copied layer reads and hidden_norm takes
     that layer's input norm, so the head layer's context keys (before RoPE) and values equal the target
     layer's own on the same text. A layer whose input is not tapped is refused with nothing written."""
-    from hf_dflash2.training.trainer import copy_target_context, copy_target_layers
+    from hf_dflash2.training.starting_points import copy_target_context, copy_target_layers
 
     target = tiny_target("qwen3", vocab_size=64)
     scaled_norms(target)
@@ -325,7 +326,7 @@ def test_a_llama_targets_query_and_key_scale_is_kept_by_the_heads_norms():
     """A target without q/k norms (Llama): the head's per-head norms would put every copied query and key at
     unit RMS; calibrated, they carry the target layer's mean per-head RMS on the given text, one scale per
     layer. A Qwen3 target keeps the norms it copied."""
-    from hf_dflash2.training.trainer import calibrate_query_key_norms, copy_target_layers
+    from hf_dflash2.training.starting_points import calibrate_query_key_norms, copy_target_layers
 
     target = tiny_target(vocab_size=64)
     drafter = tiny_drafter(target, randomize=False)
@@ -408,7 +409,7 @@ def test_init_from_grows_a_head_that_computes_what_it_computed(tmp_path):
     """A run with more layers than its source starts from the source grown (new layers copy the last with
     their residual outputs zeroed): the same loss on the same blocks, from a run or a saved head; training
     then moves the new layers. Fewer layers than the source are refused."""
-    from hf_dflash2.training.trainer import RESIDUAL_OUTPUTS, grown_drafter_weights
+    from hf_dflash2.training.starting_points import RESIDUAL_OUTPUTS, grown_drafter_weights
 
     source = make_trainer(tmp_path / "a", steps=4)
     source.train()
@@ -466,7 +467,7 @@ def test_init_from_prunes_the_selector_to_a_smaller_rank(tmp_path):
     """A run with a smaller selector rank keeps the source's strongest coordinates: coordinates whose
     successor column is zero add nothing, so when exactly those are dropped the loss is unchanged, and a
     run that kept them instead would differ. A larger rank than the source's is refused."""
-    from hf_dflash2.training.trainer import SELECTOR_FACTORS, pruned_selector_weights
+    from hf_dflash2.training.starting_points import SELECTOR_FACTORS, pruned_selector_weights
 
     source = make_trainer(tmp_path / "a", steps=4)
     source.train()
@@ -965,8 +966,8 @@ def test_a_bad_schedule_is_named_before_training():
 
 
 def test_copy_weight_finds_the_positions_the_ngram_chain_gets_and_weights_only_those(tmp_path):
+    from hf_dflash2.training.blocks import ngram_copied_positions
     from hf_dflash2.training.losses import block_loss
-    from hf_dflash2.training.trainer import ngram_copied_positions
 
     # "5 6 7 8 9" at 1..5, then "5 6 7" again at 6..8: from the anchor at the second 7 (index 8) the 3-gram
     # match drafts what followed the first one, 8 9 5 6; the labels agree on 8 9, then differ, so only the
@@ -1021,7 +1022,7 @@ def test_copy_weight_trains_on_repetitive_text_and_a_resume_keeps_it(tmp_path):
 
 
 def test_the_loops_round_starts_follow_each_rounds_accepted_drafts():
-    from hf_dflash2.training.trainer import accepted_drafts, loop_round_starts
+    from hf_dflash2.training.blocks import accepted_drafts, loop_round_starts
 
     # from 10: 2 accepted -> the next round starts at 13; 0 -> 14; 1 -> 16; 0 -> 17, past the window
     assert loop_round_starts(torch.tensor([2, 0, 5, 0, 1, 0, 0]), 10).tolist() == [10, 13, 14, 16]

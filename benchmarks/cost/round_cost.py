@@ -29,7 +29,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import GREEDY, interleaved, save, table  # noqa: E402
 
-from hf_dflash2 import speculative_generate  # noqa: E402
+from hf_dflash2 import (
+    DFlash2DraftModel,  # noqa: E402
+    speculative_generate,  # noqa: E402
+)
 from hf_dflash2.assets import load_humaneval_prompts  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import linear_kernel_of  # noqa: E402
 from hf_dflash2.cpu.attention import packed_gqa_attention  # noqa: E402
@@ -37,7 +40,6 @@ from hf_dflash2.cpu.linear_kernels import use_linear_kernel  # noqa: E402
 from hf_dflash2.cpu.precision import load_target_for_decoding  # noqa: E402
 from hf_dflash2.prompts import default_head, left_pad, load_head  # noqa: E402
 from hf_dflash2.prompts import encode_prompt as encode  # noqa: E402
-from hf_dflash2.training.trainer import new_drafter_for  # noqa: E402
 
 # Fixed-block rounds (every round verifies the whole block): benchmarks/speed/adaptive.py measures adaptive ones.
 FIXED = dict(adaptive=False)
@@ -58,7 +60,7 @@ def main() -> None:
 
     def fresh_head(block: int, vocab: list[int] | None = None):
         """An untrained head of the committed head's layers and taps, on the target's dtype and kernel."""
-        head = new_drafter_for(target, num_hidden_layers=2, block_size=block, selector_rank=128,
+        head = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=block, selector_rank=128,
                                target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
         if vocab is not None:
             head.set_draft_vocab(vocab)

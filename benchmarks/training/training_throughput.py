@@ -21,9 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import save, table  # noqa: E402
 
+from hf_dflash2 import DFlash2DraftModel  # noqa: E402
 from hf_dflash2.assets import load_sharegpt_prompts, load_target  # noqa: E402
 from hf_dflash2.training.regenerate import encode_prompts  # noqa: E402
-from hf_dflash2.training.trainer import Trainer, TrainingConfig, load_sequences, new_drafter_for  # noqa: E402
+from hf_dflash2.training.trainer import Trainer, TrainingConfig, load_sequences  # noqa: E402
 
 
 def peak_rss_mb() -> float:
@@ -36,7 +37,7 @@ def train_row(args) -> dict:
     steps, batch, anchors = (args.steps, 4, 16) if precision == "no" else (1, 1, 4)
     target, _ = load_target()
     sequences = load_sequences(args.data, 512)[:8]
-    drafter = new_drafter_for(target, num_hidden_layers=2, block_size=16, selector_rank=128,
+    drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=128,
                               target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
     config = TrainingConfig(output_dir="/tmp/hf_dflash2_throughput", steps=steps + 1, batch_size=batch,
                             anchors_per_sequence=anchors, mixed_precision=precision, checkpoint_every=10**9)

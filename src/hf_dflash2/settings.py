@@ -2,7 +2,7 @@
 every command's flags from such dataclasses (``add_arguments``, ``from_args``).
 
 Every ``hf-dflash2`` flag is a field of a settings dataclass beside its command (these here; ``train``,
-``regenerate`` and ``store``: ``training/config.py``; ``distill``: ``training/distill.py``; ``average``:
+``regenerate`` and ``store``: ``training/config.py``; ``distill``: ``training/distill/recipe.py``; ``average``:
 ``training/average.py``), so the command line's defaults and the Python API's cannot disagree, and the values
 are checked when a settings object is built (named errors, before any model load). Only positional operands
 (the head folder and repo id of ``card``/``push``, ``demo``'s prompt, ``average``'s heads) are written by hand:

@@ -516,9 +516,9 @@ def _check_train_args(args) -> None:
 
 
 def _new_drafter(target, args, layer_ids):
-    from .trainer import new_drafter_for
+    from ..modeling_dflash2 import DFlash2DraftModel
 
-    return new_drafter_for(
+    return DFlash2DraftModel.for_target(
         target,
         num_hidden_layers=args.layers,
         block_size=args.block_size,

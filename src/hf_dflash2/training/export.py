@@ -113,7 +113,7 @@ def _data_vocab(state, data_path, config, max_sequences=None) -> list[int]:
 
 def _drafter_from_state(target, state, fallback: dict):
     """Rebuild the head's architecture from the tensor shapes in the checkpoint."""
-    from .trainer import new_drafter_for
+    from ..modeling_dflash2 import DFlash2DraftModel
 
     tensors = state["drafter"]
     layers = 1 + max(int(k.split(".")[1]) for k in tensors if k.startswith("layers."))
@@ -132,7 +132,7 @@ def _drafter_from_state(target, state, fallback: dict):
             kwargs["selector_top_k"] = dflash.get("selector_top_k", 16)
     else:
         raise ValueError("checkpoint has no drafter_config: pass --target-layer-ids, --mask-token-id and --block-size")
-    drafter = new_drafter_for(target, num_hidden_layers=layers, dflash2=dflash2, **kwargs)
+    drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=layers, dflash2=dflash2, **kwargs)
     if len(drafter.config.target_layer_ids) != taps:
         raise ValueError(
             f"checkpoint's fc.weight reads {taps} tapped layers, but its target_layer_ids "

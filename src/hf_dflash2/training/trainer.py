@@ -26,13 +26,34 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 from tqdm.auto import tqdm
 
-from ..modeling_dflash2 import DFlash2DraftModel, applied_norm_scale
-from ..speculative_dflash2 import DEFAULT_NGRAM_SIZE, last_position, ngram_draft, tapped_features
+from ..modeling_dflash2 import DFlash2DraftModel
+from ..speculative_dflash2 import last_position, tapped_features
+from .blocks import (
+    accepted_drafts,
+    final_hidden_for_blocks,
+    loop_round_starts,
+    ngram_copied_positions,
+    sample_anchors,
+    sequence_blocks,
+    target_labels_for_blocks,
+)
 from .losses import block_loss, decay_gamma, training_logits
+from .starting_points import (
+    SELECTOR_FACTORS,
+    calibrate_query_key_norms,
+    calibrated_output_factor,
+    check_context_layer,
+    copy_target_context,
+    copy_target_layers,
+    grown_drafter_weights,
+    pruned_selector_weights,
+    tap_columns,
+    target_decoder_layers,
+    widened_fc_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -229,85 +250,6 @@ def store_sequences(store, max_length: int, record_weights: dict[str, int] | Non
     return sequences
 
 
-def sample_anchors(num_tokens: int, response_start: int, count: int, generator: torch.Generator) -> torch.Tensor:
-    """Distinct random anchor positions in [response_start, num_tokens - 2], sorted."""
-    candidates = num_tokens - 1 - response_start
-    picks = torch.randperm(candidates, generator=generator)[: min(count, candidates)]
-    return (picks + response_start).sort().values
-
-
-def loop_round_starts(accepted: torch.Tensor, first: int) -> torch.Tensor:
-    """Where the loop's rounds start when a round from anchor ``first + i`` commits ``accepted[i]`` drafts and
-    the target's own next token: [first, first + accepted[0] + 1, ...], up to ``first + len(accepted) - 1``.
-    accepted: [W] drafts the target accepts from each anchor of a window of W consecutive positions."""
-    starts, position, end = [], first, first + len(accepted)
-    while position < end:
-        starts.append(position)
-        position += int(accepted[position - first]) + 1
-    return torch.tensor(starts, dtype=torch.long)
-
-
-def accepted_drafts(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """tokens, labels: [n, B-1] drafts and the target's argmax (-100 past the end) -> [n] leading matches."""
-    return (tokens == labels).int().cumprod(-1).sum(-1)
-
-
-def sequence_blocks(ids: torch.Tensor, block_size: int, anchors: torch.Tensor, mask_token_id: int):
-    """ids: [T] tokens -> block ids [n, B], labels [n, B-1] (-100 past the end), predecessors [n, B-1]."""
-    offsets = torch.arange(block_size)
-    index = anchors[:, None] + offsets[None]  # [n, B]
-    inside = index < len(ids)
-    tokens = torch.where(inside, ids[index.clamp(max=len(ids) - 1)], torch.full_like(index, -100))
-    block_ids = torch.full_like(index, mask_token_id)
-    block_ids[:, 0] = ids[anchors]
-    labels = tokens[:, 1:]
-    predecessors = tokens[:, :-1].clamp_min(0)
-    return block_ids, labels, predecessors
-
-
-def predicting_positions(anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n, B-1]: the text position at which the target predicts block token k after anchor a (a + k - 1)."""
-    return anchors[:, None] + torch.arange(block_size - 1)
-
-
-def final_hidden_for_blocks(item: dict, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n, B-1, H] the target's LM-head input where it predicts each block token, the distillation target
-    of the head's own LM-head input there. Positions past the end repeat the last one; their labels are
-    -100, so they carry no loss."""
-    return item["final_hidden"][predicting_positions(anchors, block_size).clamp(max=len(item["input_ids"]) - 1)]
-
-
-def target_labels_for_blocks(item: dict, anchors: torch.Tensor, block_size: int, label_source: str):
-    """Labels from the target's own next-token distribution at each block position.
-
-    Position k of the block after anchor a is predicted by the target at a + k - 1. Returns labels
-    [n, B-1] (its argmax; -100 past the end), predecessors [n, B-1] (the anchor, then the previous
-    label, so the selector learns the target's chain) and, for ``"kl"``, (topk_ids, topk_logprobs)
-    [n, B-1, k] soft targets.
-    """
-    length = len(item["input_ids"])
-    index = predicting_positions(anchors, block_size)
-    inside = index + 1 < length
-    safe = index.clamp(max=length - 1)
-    labels = torch.where(inside, item["topk_ids"][safe, 0], torch.full_like(index, -100))
-    predecessors = torch.cat([item["input_ids"][anchors][:, None], labels[:, :-1].clamp_min(0)], dim=1)
-    soft = None
-    if label_source == "kl":
-        soft = (item["topk_ids"][safe], torch.where(inside[..., None], item["topk_logprobs"][safe], float("-inf")))
-    return labels, predecessors, soft
-
-
-def ngram_copied_positions(ids: torch.Tensor, anchors: torch.Tensor, labels: torch.Tensor,
-                           ngram_size: int = DEFAULT_NGRAM_SIZE) -> torch.Tensor:
-    """ids: [T] the sequence; anchors: [n]; labels: [n, B-1] (-100 past the end) -> [n, B-1] bool: the block
-    positions that the fast loop's n-gram chain, looked up from the text up to each anchor as the loop does
-    (``ngram_draft``), drafts correctly and in a row from the first, i.e. the positions it would have had
-    accepted."""
-    history = ids[None].expand(len(anchors), len(ids))
-    drafted, size = ngram_draft(history, anchors + 1, labels.shape[1], ngram_size)
-    return ((drafted == labels) & (labels >= 0) & (size[:, None] > 0)).long().cumprod(-1).bool()
-
-
 @torch.no_grad()
 def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     """Per-channel RMS [taps * H] of tapped target features, skipping each sequence's first position(s).
@@ -334,241 +276,6 @@ def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     floor = rms[rms > 0].median() * 1e-3 if (rms > 0).any() else rms.new_tensor(1.0)
     return torch.where(rms > 0, rms.clamp_min(floor), torch.ones_like(rms))
 
-
-# The projections that write a decoder layer's two sublayers into the residual stream: zeroed, the layer
-# adds nothing (the convolutions around them are linear in their input).
-RESIDUAL_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
-
-
-def grown_drafter_weights(weights: dict[str, torch.Tensor], layers: int, grown_layers: int) -> dict[str, torch.Tensor]:
-    """A drafter state dict of ``layers`` decoder layers grown to ``grown_layers``: each new layer copies the
-    last one (its attention, MLP, norms and convolutions start trained, not random), with its residual
-    outputs (``RESIDUAL_OUTPUTS``) zeroed, so the grown drafter's output equals the original's exactly;
-    gradients reach the zeroed projections from the first step (their inputs are not zero)."""
-    if not 0 < layers <= grown_layers:
-        raise ValueError(f"cannot grow {layers} layers to {grown_layers}")
-    last = f"layers.{layers - 1}."
-    grown = dict(weights)
-    for index in range(layers, grown_layers):
-        for name, tensor in weights.items():
-            if name.startswith(last):
-                suffix = name[len(last):]
-                copy = tensor.detach().clone()
-                grown[f"layers.{index}.{suffix}"] = copy.zero_() if suffix in RESIDUAL_OUTPUTS else copy
-    return grown
-
-
-SELECTOR_FACTORS = ("candidate_selector.predecessor_codebook", "candidate_selector.hidden_projection.weight",
-                    "candidate_selector.successor_codebook")
-
-
-def pruned_selector_weights(weights: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
-    """A drafter state dict whose path selector keeps its ``rank`` strongest coordinates. Coordinate r adds
-    ``A[a, r] * P_r(h) * B[b, r]`` to every pair score (``DFlash2CandidateSelector``); its strength is the
-    product of the norms of its three factors (A's column, P's row, B's column). A coordinate with a zero
-    factor adds nothing, so pruning only such coordinates leaves the head's outputs unchanged. Why: the two
-    ``[V, rank]`` codebooks are most of a head's bytes, and a smaller rank makes room for a layer."""
-    predecessor, projection, successor = (weights[name] for name in SELECTOR_FACTORS)
-    if not 0 < rank <= predecessor.shape[1]:
-        raise ValueError(f"cannot prune a selector of rank {predecessor.shape[1]} to rank {rank}")
-    strength = predecessor.float().norm(dim=0) * projection.float().norm(dim=1) * successor.float().norm(dim=0)
-    keep = strength.topk(rank).indices.sort().values
-    pruned = dict(weights)
-    pruned[SELECTOR_FACTORS[0]] = predecessor[:, keep].clone()
-    pruned[SELECTOR_FACTORS[1]] = projection[keep].clone()
-    pruned[SELECTOR_FACTORS[2]] = successor[:, keep].clone()
-    return pruned
-
-
-def tap_columns(stored: list[int], used: list[int], hidden_size: int) -> torch.Tensor | None:
-    """Feature columns of a store tapped at ``stored`` layers that a head tapping ``used`` reads, in the
-    head's order (``tapped_features`` concatenates its taps so), or None when the two are the same. Why: one
-    store serves heads that tap fewer of its layers, so arms that differ only in their taps see the same text."""
-    if list(used) == list(stored):
-        return None
-    missing = [i for i in used if i not in stored]
-    if missing:
-        raise ValueError(f"the head taps layers {list(used)}, the store keeps only {list(stored)} (not {missing})")
-    return torch.tensor([stored.index(i) * hidden_size + c for i in used for c in range(hidden_size)])
-
-
-def widened_fc_weight(weight: torch.Tensor, source_taps: list[int], taps: list[int], hidden_size: int) -> torch.Tensor:
-    """``fc.weight`` [H, len(source_taps) * H] of a head, laid out for a head that taps ``taps`` (a superset):
-    each source tap's columns move to its place among ``taps`` and the new taps' columns are zero, so the
-    widened head computes exactly what the source computed and training decides what the new layers add."""
-    missing = [i for i in source_taps if i not in taps]
-    if missing:
-        raise ValueError(f"cannot widen taps {list(source_taps)} to {list(taps)}: {missing} would be dropped")
-    widened = weight.new_zeros(weight.shape[0], len(taps) * hidden_size)
-    columns = tap_columns(taps, source_taps, hidden_size)  # where each source column sits among the run's
-    widened[:, slice(None) if columns is None else columns] = weight
-    return widened
-
-
-# Parameters a head layer has and a plain decoder layer of the target may lack: they keep their fresh values.
-FRESH_LAYER_PARAMETERS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "attention_conv.", "mlp_conv.")
-
-
-def _norm_scale(norm: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
-    """A target norm's per-channel scale as the head's norms apply it (``x * w``, ``applied_norm_scale``), which
-    covers offset conventions (Gemma's ``1 + w``); the weight itself where the two agree."""
-    scale = applied_norm_scale(norm)
-    return weight if torch.allclose(scale, weight.float().cpu(), rtol=1e-2, atol=1e-4) else scale
-
-
-def _target_layers(target) -> torch.nn.ModuleList:
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"initializing from the target: {type(target).__name__} keeps no decoder layers in "
-                         "get_decoder().layers")
-    return layers
-
-
-@torch.no_grad()
-def copy_target_layers(drafter: DFlash2DraftModel, target, layer_ids: list[int]) -> list[str]:
-    """Start head layer i as a copy of target decoder layer ``layer_ids[i]`` (attention projections, MLP,
-    both norms): a head layer has a target layer's shapes, and a deep target layer already maps a residual
-    stream to what the target's final norm and LM head read, which the head shares. Qwen3-style q/k norms
-    and the conv stay fresh unless the target layer has them too. -> the names copied, per layer.
-
-    Checked before anything is copied, each refusal a ``ValueError`` naming the value: one target layer per
-    head layer, each within the target; the target's MLP activation is the head's (SiLU); every other
-    head-layer parameter is in the target layer with the same shape; and the target layer has nothing the
-    head would drop (Qwen2's attention biases, Gemma's extra norms), since the copy would not compute what
-    the target layer computes. Norms are copied as the scale they apply (``_norm_scale``)."""
-    text = target.config.get_text_config()
-    layers = _target_layers(target)
-    if len(layer_ids) != len(drafter.layers):
-        raise ValueError(f"init_layers_from_target={list(layer_ids)} names {len(layer_ids)} target layers, "
-                         f"the head has {len(drafter.layers)}")
-    for index in layer_ids:
-        if not 0 <= index < len(layers):
-            raise ValueError(f"init_layers_from_target: layer {index} is outside the target's {len(layers)} layers")
-    activation = getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None)
-    if activation != drafter.config.hidden_act:
-        raise ValueError(f"init_layers_from_target: the target's MLP activation is {activation!r}, the head's "
-                         f"{drafter.config.hidden_act!r}")
-    plan = []
-    for head_layer, index in zip(drafter.layers, layer_ids):
-        theirs = dict(layers[index].named_parameters())
-        mine = dict(head_layer.named_parameters())
-        dropped = sorted(set(theirs) - set(mine))
-        if dropped:
-            raise ValueError(f"init_layers_from_target: target layer {index} has {dropped}, which the head has no "
-                             "place for")
-        for name, parameter in mine.items():
-            source = theirs.get(name)
-            if source is not None and source.shape == parameter.shape:
-                if name.endswith("norm.weight"):
-                    source = _norm_scale(layers[index].get_submodule(name.rsplit(".", 1)[0]), source)
-                plan.append((parameter, source, name))
-            elif not name.startswith(FRESH_LAYER_PARAMETERS):
-                found = "missing" if source is None else f"shape {tuple(source.shape)}"
-                raise ValueError(f"init_layers_from_target: head parameter {name} {tuple(parameter.shape)} has no "
-                                 f"counterpart in target layer {index} ({found})")
-    for parameter, source, _ in plan:
-        parameter.copy_(source.to(parameter.dtype))
-    return sorted({name for _, _, name in plan})
-
-
-def _check_context_layer(drafter: DFlash2DraftModel, layers: torch.nn.ModuleList, layer_id: int) -> None:
-    if not 0 <= layer_id < len(layers):
-        raise ValueError(f"init_context_from_target: layer {layer_id} is outside the target's {len(layers)} layers")
-    taps = drafter.config.target_layer_ids
-    if layer_id == 0:
-        raise ValueError("init_context_from_target: target layer 0 reads the embeddings, which are never tapped")
-    if layer_id - 1 not in taps:
-        raise ValueError(f"init_context_from_target: target layer {layer_id} reads tap {layer_id - 1}, which is not "
-                         f"among the head's taps {taps}")
-
-
-@torch.no_grad()
-def copy_target_context(drafter: DFlash2DraftModel, target, layer_id: int) -> int:
-    """Start the head's context projection as what target layer ``layer_id`` reads: ``fc`` passes the tap of
-    that layer's input (tap ``layer_id - 1``, the output of the layer below) through unchanged and zeroes the
-    others, and ``hidden_norm`` applies that layer's ``input_layernorm`` scale. A head layer copied from
-    ``layer_id`` then projects the context's keys and values as the target layer does (exactly for a target
-    with q/k norms; for one without, the head's key norm leaves the direction and ``calibrate_query_key_norms``
-    the typical scale), so its attention over the context starts as the target's own. -> the tap's index among
-    the head's taps.
-
-    Refused by name, before anything is written: ``layer_id`` outside the target, or its input not among the
-    head's taps (``dflash_config.target_layer_ids``)."""
-    layers = _target_layers(target)
-    _check_context_layer(drafter, layers, layer_id)
-    taps = drafter.config.target_layer_ids
-    slot, hidden = taps.index(layer_id - 1), drafter.config.hidden_size
-    weight = drafter.fc.weight
-    weight.zero_()
-    weight[:, slot * hidden:(slot + 1) * hidden] = torch.eye(hidden, dtype=weight.dtype, device=weight.device)
-    norm = layers[layer_id].input_layernorm
-    drafter.hidden_norm.weight.copy_(_norm_scale(norm, norm.weight).to(drafter.hidden_norm.weight.dtype))
-    return slot
-
-
-@torch.no_grad()
-def calibrate_query_key_norms(drafter: DFlash2DraftModel, target, layer_ids: list[int], input_ids: torch.Tensor
-                              ) -> dict[int, tuple[float, float]]:
-    """For copied layers whose target layer has no q/k norms (Llama, Mistral): the head's q/k norms (Qwen3-style,
-    one RMS norm per head) set every query and key to unit RMS, which changes the copied attention's temperature.
-    Their weights become the mean per-head RMS of that target layer's queries and keys on ``input_ids`` [1, T]
-    (training text), so the normed ones keep the target's typical scale. -> {target layer: (query, key) scale}."""
-    layers = _target_layers(target)
-    wanted = [(head_layer, index) for head_layer, index in zip(drafter.layers, layer_ids)
-              if not hasattr(layers[index].self_attn, "q_norm")]
-    if not wanted:
-        return {}
-    seen, hooks = {}, []
-    for _, index in wanted:
-        attention = layers[index].self_attn
-        for name in ("q_proj", "k_proj"):
-            hooks.append(getattr(attention, name).register_forward_hook(
-                lambda module, args, out, key=(index, name): seen.__setitem__(key, out.float())))
-    try:
-        target(input_ids.to(target.device), logits_to_keep=1)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    scales = {}
-    for head_layer, index in wanted:
-        attention = head_layer.self_attn
-
-        def rms(out):
-            return out.unflatten(-1, (-1, attention.head_dim)).pow(2).mean(-1).sqrt().mean().item()
-
-        scales[index] = (rms(seen[(index, "q_proj")]), rms(seen[(index, "k_proj")]))
-        attention.q_norm.weight.fill_(scales[index][0])
-        attention.k_norm.weight.fill_(scales[index][1])
-    return scales
-
-
-
-@torch.no_grad()
-def calibrated_output_factor(drafter: DFlash2DraftModel, target) -> float:
-    """A factor <= 1 for a fresh head's logits (see ``calibrated_output_scale``): the trainer ramps the head's
-    logit scale from it to 1 over its first steps."""
-    scale = drafter.norm.weight.detach().float().cpu()
-    return float((calibrated_output_scale(drafter, target, scale) / scale.clamp_min(1e-6)).median())
-
-
-@torch.no_grad()
-def calibrated_output_scale(drafter: DFlash2DraftModel, target, scale: torch.Tensor) -> torch.Tensor:
-    """An output-norm scale ``scale`` [H] (the head's own), times a factor <= 1.
-
-    Every drafted position of a fresh head reads the mask token's embedding and its layers barely change
-    the residual, so its output points along that embedding; with a tied LM head the mask token then gets
-    a logit far above every other token (a first training loss many times the uniform one, worst on
-    Gemma's sqrt(H)-scaled embeddings). The factor keeps that output's logits within 1 nat of their mean,
-    which puts the first loss at about the uniform guess; training grows the scale back.
-    """
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings().weight
-    mask_row = embed[drafter.config.mask_token_id].float().cpu() * drafter.config.input_embedding_scale
-    direction = mask_row * torch.rsqrt(mask_row.pow(2).mean() + drafter.config.rms_norm_eps)
-    logits = F.linear((direction * scale).to(device=head.device, dtype=head.dtype), head)
-    spread = float((logits.float() - logits.float().mean()).abs().max())
-    return scale * min(1.0, 1.0 / spread) if spread > 0 else scale
 
 class Trainer:
     def __init__(
@@ -1052,7 +759,7 @@ class Trainer:
         training sequence); everything else (selector, schedule, logit ramp) as in a fresh run. Layers and
         context are checked before either writes."""
         drafter = self.accelerator.unwrap_model(self.drafter)
-        target_layers = _target_layers(self.target)
+        target_layers = target_decoder_layers(self.target)
         if layer_ids == "last":
             if len(drafter.layers) > len(target_layers):
                 raise ValueError(f"init_layers_from_target='last': the head's {len(drafter.layers)} layers exceed "
@@ -1060,7 +767,7 @@ class Trainer:
             layer_ids = list(range(len(target_layers) - len(drafter.layers), len(target_layers)))
         layer_ids = list(layer_ids)
         if context:
-            _check_context_layer(drafter, target_layers, layer_ids[0])
+            check_context_layer(drafter, target_layers, layer_ids[0])
             first = self.sequences[0]
             ids = self.store[first["store_index"]]["input_ids"] if self.store is not None else first["input_ids"]
             text = torch.as_tensor(ids)[:512][None]
@@ -1222,10 +929,3 @@ class Trainer:
         return self.history
 
 
-def new_drafter_for(
-    target, num_hidden_layers: int = 2, block_size: int = 16, dflash2: bool = True, seed: int = 0, **kwargs
-) -> DFlash2DraftModel:
-    """Kept for existing callers: ``DFlash2DraftModel.for_target`` is the public way to build a fresh head."""
-    return DFlash2DraftModel.for_target(
-        target, num_hidden_layers=num_hidden_layers, block_size=block_size, dflash2=dflash2, seed=seed, **kwargs
-    )
