@@ -216,7 +216,9 @@ class _CountingTrainer:
 
 
 def test_a_trunk_planned_from_rates_ends_where_the_budget_says_and_a_resumed_call_keeps_that_end(tmp_path):
-    from hf_dflash2.training.distill import Display, RunState, train_in_chunks
+    from hf_dflash2.training.distill.pipeline import train_in_chunks
+    from hf_dflash2.training.distill.plan import Display
+    from hf_dflash2.training.distill.recipe import RunState
 
     recipe = DistillRecipe(checkpoint_every=10)
     state = RunState(tmp_path)
@@ -248,7 +250,7 @@ def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt
     """Half the prompts the target answers are code completions by default (every prefix of the order holds
     about that share, so a small store is mixed too), none at 0, only code at 1 until it runs out; a run
     made before the share existed resumes at 0 and is refused another share by name."""
-    from hf_dflash2.training.distill import interleaved, training_text
+    from hf_dflash2.training.distill.pipeline import interleaved, training_text
 
     chat, code = [{"id": f"c{i}"} for i in range(6)], [{"id": f"p{i}"} for i in range(3)]
     assert [p["id"] for p in interleaved(chat, code, 0.5)] == ["p0", "c0", "p1", "c1", "p2", "c2", "c3", "c4", "c5"]
@@ -262,7 +264,7 @@ def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt
         code_share=0.0), str(sharegpt))[0]))
     with pytest.raises(DistillError, match=r"code_share must be in \[0, 1\], got 1.5"):
         DistillSettings(output="x", recipe=tiny_recipe(code_share=1.5))
-    from hf_dflash2.training.distill import RunState, check_identity, run_identity
+    from hf_dflash2.training.distill.recipe import RunState, check_identity, run_identity
 
     older = RunState(Path("unused"))
     identity = run_identity(DistillSettings(output="x", recipe=tiny_recipe(code_share=0.0)))
@@ -305,6 +307,9 @@ def test_a_tiny_target_runs_the_whole_pipeline_and_its_head_is_lossless(tmp_path
     recipe = json.loads((head_folder / "training_recipe.json").read_text())
     sets = recipe["heldout_evaluation"]["sets"]
     assert {"head", "default", "prompt_lookup"} <= set(next(iter(sets.values())))
+    from hf_dflash2.evaluation.bench import BASELINE_METHODS
+
+    assert all(row["baseline"] in BASELINE_METHODS for row in sets.values())  # the bench's own baseline rule
     assert all(row["default"]["same_text_as_greedy"].split("/")[0] == row["default"]["same_text_as_greedy"]
                .split("/")[1] for row in sets.values())
     assert state["initialized_from"]["target_layers"] == [4, 5]  # Gemma's too: its head has sandwich norms

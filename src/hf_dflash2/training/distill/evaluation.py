@@ -3,7 +3,6 @@ prompt lookup over the fastest plain greedy ``generate``, on prompts never train
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ...evaluation.bench import BASELINE_METHODS, PLAIN_KERNELS, fastest_baseline, onednn_packs, seconds_per_token
 from ...generation import PLAIN_GREEDY, speculative_generate
 from ...hub import HEAD_ONLY_METHOD, METHOD_NOTES, render_model_card
 from ...kernels_dflash2 import ForwardKernels
@@ -23,34 +23,24 @@ def _generated(sequences: torch.Tensor, prompt_length: int, count: int) -> list[
     return sequences[0, prompt_length : prompt_length + count].tolist()
 
 
-def onednn_greedy(target):
-    """A factory of contexts in which plain greedy decoding runs every linear layer on oneDNN with packed weights
-    (``ForwardKernels``), or None where that does not apply (no oneDNN, a GPU). With the target as loaded, the
-    two plain ``generate`` configurations whose faster one is the honest baseline (as ``hf-dflash2 bench``'s)."""
-    if not ForwardKernels(target, None, 1, 1, "onednn").applies():
-        return None
-    return lambda: ForwardKernels(target, None, 1, 1, "onednn")
-
-
 @torch.no_grad()
 def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tokens: int, on_prompt=None) -> dict:
     """Per prompt set (HumanEval, MT-Bench), on prompts never trained on, greedy, batch 1, methods interleaved per
-    prompt: plain greedy ``generate`` as loaded and, on a CPU with oneDNN, with packed oneDNN linears (the faster
-    of the two on a set is the baseline), the head alone (every round verifies its block, no n-gram drafts:
-    what vLLM and SGLang serve), ``speculative_generate``'s default loop, and prompt lookup. -> τ, per-position
-    acceptance, tokens/s and speedup over the baseline (ratio of the median seconds per token over prompts),
-    and on how many prompts the default loop's text equals greedy's."""
+    prompt: plain greedy ``generate`` on the bench's plain configurations (``BASELINE_METHODS``: as loaded and,
+    where oneDNN packs the target, on oneDNN; the faster on a set is the baseline, ``fastest_baseline``), the
+    head alone (every round verifies its block, no n-gram drafts: what vLLM and SGLang serve),
+    ``speculative_generate``'s default loop, and prompt lookup. -> τ, per-position acceptance, tokens/s and
+    speedup over the baseline (ratio of the median seconds per token over prompts), and on how many prompts the
+    default loop's text equals plain greedy's."""
     device = next(target.parameters()).device
     pad = tokenizer.pad_token_id
     greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None, "pad_token_id": pad}
 
-    onednn = onednn_greedy(target)
-
     def run(method: str, ids: torch.Tensor, tokens: int):
         started = time.perf_counter()
         stats = None
-        if method in ("greedy", "greedy_onednn"):
-            with onednn() if method == "greedy_onednn" else contextlib.nullcontext():
+        if method in PLAIN_KERNELS:
+            with ForwardKernels(target, None, 1, 1, PLAIN_KERNELS[method]):
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, **greedy)
             generated = _generated(out, ids.shape[1], out.shape[1] - ids.shape[1])
         elif method == "prompt_lookup":
@@ -65,7 +55,7 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
             stats = result.stats
         return generated, time.perf_counter() - started, stats
 
-    baselines = ("greedy", "greedy_onednn") if onednn is not None else ("greedy",)
+    baselines = tuple(m for m in BASELINE_METHODS if PLAIN_KERNELS[m] is None or onednn_packs(target))
     methods = (*baselines, "head", "default", "prompt_lookup")
     encoded = encode_prompts(tokenizer, prompts, 1024)
     if encoded:  # warm-up: first-call costs (the default loop measures its cost model once per machine)
@@ -75,7 +65,7 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
     per_set: dict[str, dict] = {}
     for index, (prompt_id, prompt_ids) in enumerate(encoded):
         name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
-        entry = per_set.setdefault(name, {m: {"seconds_per_token": [], "tokens": 0, "stats": None} for m in methods})
+        entry = per_set.setdefault(name, {m: {"seconds": [], "tokens": [], "stats": None} for m in methods})
         entry.setdefault("same_text", [0, 0])
         ids = torch.tensor([prompt_ids], device=device)
         texts = {}
@@ -84,24 +74,24 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
             generated, seconds, stats = run(method, ids, max_new_tokens)
             texts[method] = generated
             record = entry[method]
-            record["seconds_per_token"].append(seconds / max(1, len(generated)))
-            record["tokens"] += len(generated)
+            record["seconds"].append(seconds)
+            record["tokens"].append(len(generated))
             if stats is not None:
                 record["stats"] = copy.deepcopy(stats) if record["stats"] is None else record["stats"].merge(stats)
-        entry["same_text"][0] += texts["default"] == texts["greedy"]
+        entry["same_text"][0] += texts["default"] == texts["ar"]
         entry["same_text"][1] += 1
         if on_prompt is not None:
             on_prompt((index + 1) / len(encoded))
     results = {}
     for name, entry in per_set.items():
-        medians = {m: statistics.median(entry[m]["seconds_per_token"]) for m in baselines}
-        fastest = min(medians, key=medians.get)
-        baseline = medians[fastest]
+        fastest = fastest_baseline({m: entry[m] for m in baselines})
+        baseline = statistics.median(seconds_per_token(entry[fastest]))
+        as_loaded = statistics.median(seconds_per_token(entry["ar"]))
         row = {"greedy_tokens_per_s": round(1 / baseline, 2), "baseline": fastest, "prompts": entry["same_text"][1],
-               **({"greedy_as_loaded_tokens_per_s": round(1 / medians["greedy"], 2)} if len(medians) > 1 else {})}
+               **({"greedy_as_loaded_tokens_per_s": round(1 / as_loaded, 2)} if len(baselines) > 1 else {})}
         for method in methods[len(baselines):]:
             record = entry[method]
-            median = statistics.median(record["seconds_per_token"])
+            median = statistics.median(seconds_per_token(record))
             row[method] = {"speedup": round(baseline / median, 3), "tokens_per_s": round(1 / median, 2)}
             if record["stats"] is not None:
                 row[method]["tau"] = round(record["stats"].acceptance_length, 3)
@@ -136,7 +126,7 @@ def card_extra(evaluation: dict) -> str:
              f"Greedy, batch 1, {evaluation['max_new_tokens']} new tokens per prompt, {evaluation['prompts']} prompts "
              "(HumanEval and MT-Bench, never in the training data). Baseline: "
              f"{evaluation['baseline']}; per set the faster of plain `generate` as loaded and with oneDNN "
-             "linears (`greedy_onednn`) where this CPU has oneDNN.", "",
+             "linears (`ar_onednn`) where this CPU has oneDNN.", "",
              "| set | greedy tok/s | head alone τ / speedup | default loop τ / speedup | prompt lookup speedup | "
              "default loop text = greedy |", "|---|---|---|---|---|---|"]
     for name, row in evaluation["sets"].items():
