@@ -41,6 +41,9 @@ def test_summary_speedup_tau_and_card_numbers():
     assert card["datasets"]["humaneval"]["tau"] == pytest.approx(35 / 15)
     assert card["datasets"]["humaneval"]["speedup"] == pytest.approx(0.1 / 0.0875)
     assert "| dflash2_fast | 2.33 | 14.0 | 1.14x | 0.80x |" in markdown_table(report)
+    assert "Target:" not in markdown_table(report)  # an older report names none
+    report["target"] = "google/gemma-3-270m"  # run_benchmark records the target it ran, which the table names
+    assert "Target: google/gemma-3-270m." in markdown_table(report)
     assert "dtype" not in card  # an older report without it: the card says nothing rather than guessing
     report["machine"]["dtype"] = "float32"  # what `precision auto` chose, recorded by run_benchmark
     assert card_results(report, "dflash2_fast")["dtype"] == "float32"

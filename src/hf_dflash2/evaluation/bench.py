@@ -303,6 +303,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         methods.insert(methods.index("ar") + 1, "ar_onednn")  # the baseline is the faster greedy of the two
     report = {
         "command": command_line,
+        "target": offline.hub_id if offline else args.target,
         "machine": {"platform": platform.platform(), "processor": platform.processor() or cpu_name(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "device": str(target.device),
                     "dtype": str(target.dtype).removeprefix("torch."),  # what `auto` chose, every method
@@ -546,6 +547,8 @@ def markdown_table(report: dict) -> str:
                  "prefill of the prompt and D its decoding; of bound: the speedup over the bound with prefill.")
     if report["skipped"]:
         lines.append("\nSkipped: " + "; ".join(f"`{m}`: {why}" for m, why in report["skipped"].items()))
+    if report.get("target"):
+        lines.append(f"\nTarget: {report['target']}.")
     machine = report.get("machine", {})
     if "dtype" in machine:
         lines.append(f"\nEvery method in {machine['dtype']}; the loops' linear kernel: "
@@ -576,7 +579,8 @@ def draw_chart(report: dict, path: Path) -> None:
         ax.set_title(title)
     axes[1].axhline(1.0, color="grey", lw=0.8)
     axes[1].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2-135M-Instruct, batch {report['settings']['batch_size']}, T={report['settings']['temperature']}")
+    settings = report["settings"]
+    fig.suptitle(f"{report.get('target') or 'the target'}, batch {settings['batch_size']}, T={settings['temperature']}")
     fig.tight_layout()
     save_chart(fig, path, dpi=110)
     plt.close(fig)
