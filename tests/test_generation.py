@@ -420,3 +420,18 @@ def test_top_p_from_the_top_tokens_equals_the_full_sort():
         assert torch.equal(fast, full), top_p
     kept = (~outside_nucleus(logits, 0.9)).sum(-1)
     assert (kept[0] < NUCLEUS_SEARCH).all() and (kept[1, :4] > NUCLEUS_SEARCH).all() and (kept[2] <= 40).all()
+
+
+def test_the_loop_runs_without_autograd_even_when_the_caller_has_it_on():
+    """``speculative_generate`` decodes under ``no_grad`` whatever the caller's mode: a graph across the whole
+    call would cost memory and time, and the head's inference paths (the packed draft vocabulary) key on it."""
+    target = tiny_target(vocab_size=64, layers=2)
+    drafter = tiny_drafter(target, block_size=4)
+    grad_modes = []
+    target.register_forward_pre_hook(lambda module, args: grad_modes.append(torch.is_grad_enabled()))
+    drafter.register_forward_pre_hook(lambda module, args: grad_modes.append(torch.is_grad_enabled()))
+    assert torch.is_grad_enabled()
+    out = speculative_generate(target, drafter, torch.randint(1, 60, (1, 12)), max_new_tokens=12, do_sample=False,
+                               return_dict_in_generate=True, output_scores=True)
+    assert grad_modes and not any(grad_modes)
+    assert not out.sequences.requires_grad and not any(score.requires_grad for score in out.scores)

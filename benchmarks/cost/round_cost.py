@@ -29,10 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, for _common
 from _common import GREEDY, interleaved, save, table  # noqa: E402
 
-from hf_dflash2 import (
-    DFlash2DraftModel,  # noqa: E402
-    speculative_generate,  # noqa: E402
-)
+from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts  # noqa: E402
 from hf_dflash2.cost_model_dflash2 import linear_kernel_of  # noqa: E402
 from hf_dflash2.cpu.attention import packed_gqa_attention  # noqa: E402
@@ -61,7 +58,7 @@ def main() -> None:
     def fresh_head(block: int, vocab: list[int] | None = None):
         """An untrained head of the committed head's layers and taps, on the target's dtype and kernel."""
         head = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=block, selector_rank=128,
-                               target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
+                                            target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0).eval()
         if vocab is not None:
             head.set_draft_vocab(vocab)
         head = head.to(target.dtype).bind_target(target)

@@ -38,7 +38,7 @@ def train_row(args) -> dict:
     target, _ = load_target()
     sequences = load_sequences(args.data, 512)[:8]
     drafter = DFlash2DraftModel.for_target(target, num_hidden_layers=2, block_size=16, selector_rank=128,
-                              target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
+                                           target_layer_ids=[1, 7, 14, 20, 27], mask_token_id=0)
     config = TrainingConfig(output_dir="/tmp/hf_dflash2_throughput", steps=steps + 1, batch_size=batch,
                             anchors_per_sequence=anchors, mixed_precision=precision, checkpoint_every=10**9)
     trainer = Trainer(target, drafter, sequences, config)

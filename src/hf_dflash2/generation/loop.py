@@ -316,7 +316,6 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
         policy.room = most_room - 1  # every running row commits at least one token a round
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def loop_forwards(target, drafter, n_rows: int, block_size: int, packed_attention: bool = True,
                   linear_kernel: str | None = "auto") -> Iterator[None]:
@@ -341,6 +340,7 @@ def loop_cost_model(target, drafter, batch_size: int, linear_kernel: str | None 
         return starting_cost_model(target, drafter, batch_size, block_size, expected_context)
 
 
+@torch.no_grad()
 def speculative_generate(
     target,
     drafter,

@@ -927,5 +927,3 @@ class Trainer:
                 break
         progress.close()
         return self.history
-
-

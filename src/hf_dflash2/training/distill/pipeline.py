@@ -76,8 +76,6 @@ def training_text(tokenizer, recipe: DistillRecipe, sharegpt: str | None,
     halves: prompts the target answers itself, and exchanges prefilled as they are. With ``code_share``, the
     prompts are that share of code prompts (documented functions of ``code_source``, default the standard
     library, as HumanEval-style completion requests), interleaved with the ShareGPT ones."""
-
-
     exchanges, report = sharegpt_exchanges(sharegpt)
     exchanges = drop_evaluation_prompts(exchanges, report)
     logger.info("ShareGPT exchanges: %s", report)
@@ -209,7 +207,6 @@ def store_precision(target, precision: str):
 # ============================================================================ 5-6. training
 def training_config(recipe: DistillRecipe, output_dir: Path, steps: int, warmup: int, precision: str,
                     decay_steps: int | None = None):
-
     return TrainingConfig(
         output_dir=str(output_dir), steps=steps, batch_size=recipe.batch_size, anchors_per_sequence=recipe.anchors,
         max_length=recipe.max_length, learning_rate=recipe.learning_rate, warmup_steps=warmup, lr_schedule="wsd",
@@ -370,8 +367,6 @@ def choose_machine(recipe: DistillRecipe) -> tuple[torch.device, str]:
 def load_checked_target(settings: DistillSettings, recipe: DistillRecipe):
     """Every refusal, then the target: the config alone first (no weights load for an encoder-decoder or a
     two-layer model), then the loaded model. Nothing is written."""
-
-
     parse_chat_template(settings.chat_template)
     name = settings.target or "SmolLM2-135M-Instruct (offline GGUF)"
     try:
@@ -627,7 +622,6 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
     # 8. evaluate: held-out τ and speedups, into the card
     if not state.done("evaluate"):
         display.start("evaluate", plan["eval_seconds"])
-
         dtype = decode_precision(target, recipe, device)
         target.to(dtype)
         head = load_head(head_folder, target)
@@ -661,7 +655,6 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
     # 9. push
     if settings.push and (not state.done("push") or state.data["done"]["push"].get("repo") != settings.push):
         display.start("push")
-
         try:
             url = push_head(head_folder, settings.push, private=settings.private, endpoint=settings.endpoint,
                             results=state.data["results"]["card"])

@@ -156,7 +156,6 @@ class Display:
 @contextmanager
 def inner_bars_off():
     """The store, regeneration and trainer each draw a bar of their own: off while the one display runs."""
-
     def quiet(*args, **kwargs):
         kwargs["disable"] = True
         return tqdm(*args, **kwargs)

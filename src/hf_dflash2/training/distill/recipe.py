@@ -19,14 +19,8 @@ from ...prompts import CHAT_TEMPLATE_HELP, chat_template_argument
 from ..config import GGUF_FILE_HELP, TARGET_HELP
 
 STATE_FILE = "distill.json"
-
-
 STATE_VERSION = 1
-
-
 PHASES = ("store", "trunk", "cool", "export", "evaluate", "push")
-
-
 MIN_TARGET_LAYERS = 4  # the taps run from layer 1 to L - 3
 
 
@@ -185,7 +179,6 @@ class DistillSettings:
             raise DistillError(f"--stop-after {self.stop_after!r}: choose one of {PHASES}")
         parse_budget(self.budget)
         if self.push:
-
             try:
                 validate_repo_id(self.push)
             except HFValidationError as error:
