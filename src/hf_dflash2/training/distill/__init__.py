@@ -14,7 +14,8 @@ The recipe that moved held-out τ on SmolLM2-135M, end to end, with the pieces t
 3. **plan**      split ``--budget`` (wall clock for the whole pipeline) into store / trunk / cool-down /
                  evaluation from those rates, and print the plan.
 4. **store**     a feature store (``store.FeatureStore``: tapped layers + top-k labels) over (a) the target's
-                 own greedy responses to ShareGPT first turns (``regenerate``; chat template, or plain text
+                 own greedy responses to ShareGPT first turns and, for ``code_share`` of the prompts, to
+                 completions of documented standard-library functions (``regenerate``; chat template, or plain text
                  continuations for a base model without one) and (b) a prefill over other ShareGPT exchanges.
 5. **trunk**     a head sized from the target's config, its layers started as copies of the target's last
                  layers (``Trainer.initialize_layers_from_target``; fresh where the target's layers do not fit
