@@ -151,6 +151,29 @@ def test_greedy_runs_report_the_prompts_whose_text_equals_ars_and_the_speedup_th
     assert "| 0/3 | - |" in markdown_table(report) and "| 3/3 | 1.00x |" in markdown_table(report)
 
 
+def test_the_fixed_block_method_verifies_the_heads_whole_block_every_round_and_stays_lossless():
+    """``dflash2_fixed_block`` (the head's held-out tau, the distill cards' "head alone"): every round drafts
+    and verifies the whole block, unlike the default loop's policy, which may verify less or not draft."""
+    from types import SimpleNamespace
+
+    from hf_dflash2.evaluation.bench import Runner
+
+    target = tiny_target(vocab_size=64)
+    head = tiny_drafter(target, dflash2=True)
+    runner = Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": head}, max_new_tokens=40, temperature=0.0)
+    ids = torch.tensor([[5, 9, 17, 3, 44, 21]])
+    _, _, _, ar_texts = runner.run("ar", ids, torch.ones_like(ids))
+    generated, _, stats, texts = runner.run("dflash2_fixed_block", ids, torch.ones_like(ids))
+    assert texts == ar_texts and generated == len(ar_texts[0])
+    # a random head: the adaptive policy would stop drafting; this method drafts every round (and once more
+    # before the loop reads that every row has finished)
+    assert stats.verify_forwards == stats.rounds > 1 and stats.draft_passes - stats.rounds in (0, 1)
+    lengths, full = stats.verify_length_histogram, head.config.block_size - 1  # rounds by drafts verified
+    assert lengths[full] >= stats.rounds - full  # all but the last rounds, whose drafts the budget cuts
+    assert Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": head}, 8, temperature=1.0).supports(
+        "dflash2_fixed_block", 1) is not None  # a greedy measure only
+
+
 def test_each_prompt_compares_the_median_runs_texts():
     """The median run counts for the text too, AR's as every method's; sampled runs compare nothing."""
     from hf_dflash2.evaluation.bench import add_prompt

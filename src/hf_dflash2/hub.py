@@ -256,6 +256,8 @@ HEAD_ONLY_METHOD, HYBRID_METHOD = "dflash2_fast_head", "dflash2_fast"
 METHOD_NOTES = {
     HEAD_ONLY_METHOD: "the head's own drafts, as vLLM and SGLang serve it",
     HYBRID_METHOD: "hf_dflash2's fast loop with its defaults: n-gram drafts next to the head's, and draft trees",
+    "dflash2_fixed_block": "the head's whole block verified every round, no n-gram drafts, no trees (the head's "
+                           "held-out τ)",
 }
 
 

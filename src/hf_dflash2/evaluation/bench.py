@@ -12,6 +12,10 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
   and draft trees on (the defaults, the kernel chosen per forward);
 - ``dflash2_fast_head``: the same with ``ngram_size=0, draft_tree=False``: the head's own chain alone, as
   vLLM and SGLang verify it;
+- ``dflash2_fixed_block``: the fast loop verifying the head's whole block every round (``adaptive=False``, no
+  n-gram drafts, no trees, plain greedy whatever the target's generation config asks): the rounds the
+  reference loop runs, on this loop's code. Its tau is the head's held-out tau (``heldout_tau.py``, the cards
+  of ``hf-dflash2 distill``);
 - ``dflash1_fast``: the fast loop with the DFlash-1 head trained on the same budget;
 - ``prompt_lookup``: Transformers' prompt-lookup decoding (batch 1, greedy);
 - ``native_dflash``: Transformers' own ``speculation_type="dflash"`` path with the DFlash-1 head's
@@ -170,7 +174,8 @@ class Runner:
 
     def supports(self, method: str, batch: int) -> str | None:
         """None if the method can run here, else why not."""
-        if method in ("dflash2_generate", "dflash2_fast", "dflash2_fast_head") and "dflash2" not in self.heads:
+        if method in ("dflash2_generate", "dflash2_fast", "dflash2_fast_head", "dflash2_fixed_block") \
+                and "dflash2" not in self.heads:
             return "no dFlash 2 head"
         if method in ("dflash1_fast", "native_dflash") and "dflash1" not in self.heads:
             return "no DFlash-1 head"
@@ -178,6 +183,8 @@ class Runner:
             return "Transformers' assisted loop runs at batch size 1 only"
         if self.sample and method == "prompt_lookup":
             return "prompt lookup has no proposal distribution for lossless sampling"
+        if self.sample and method == "dflash2_fixed_block":
+            return "the head's held-out tau is measured greedy"
         if method == "ar_onednn" and not onednn_packs(self.target):
             return "oneDNN cannot pack this target's weights here"
         if method == "zlab_reference":
@@ -211,7 +218,7 @@ class Runner:
 
     @torch.no_grad()
     def run(self, method: str, ids: torch.Tensor, mask: torch.Tensor):
-        from ..generation import speculative_generate
+        from ..generation import PLAIN_GREEDY, speculative_generate
 
         n = self.max_new_tokens
         common = dict(max_new_tokens=n, pad_token_id=self.pad, **self.sampling_kwargs())
@@ -246,6 +253,11 @@ class Runner:
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad, linear_kernel=self.linear_kernel,
                 **({"ngram_size": 0, "draft_tree": False} if method == "dflash2_fast_head" else {}),
             )
+            generated, stats, out = int(result.num_generated.sum()), result.stats, result.sequences
+        elif method == "dflash2_fixed_block":
+            result = speculative_generate(self.target, self.heads["dflash2"], ids, attention_mask=mask, max_new_tokens=n,
+                                          pad_token_id=self.pad, linear_kernel=self.linear_kernel, adaptive=False,
+                                          ngram_size=0, draft_tree=False, **PLAIN_GREEDY)
             generated, stats, out = int(result.num_generated.sum()), result.stats, result.sequences
         elif method == "dflash2_generate":
             head = self.heads["dflash2"]

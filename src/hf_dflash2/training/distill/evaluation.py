@@ -5,63 +5,41 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 from pathlib import Path
 
 import torch
 
-from ...evaluation.bench import BASELINE_METHODS, PLAIN_KERNELS, fastest_baseline, onednn_packs, seconds_per_token
-from ...generation import PLAIN_GREEDY, speculative_generate
-from ...hub import HEAD_ONLY_METHOD, METHOD_NOTES, render_model_card
-from ...kernels_dflash2 import ForwardKernels
+from ...evaluation.bench import BASELINE_METHODS, Runner, fastest_baseline, seconds_per_token
+from ...hub import METHOD_NOTES, render_model_card
 from ..regenerate import encode_prompts
 
 CARD_DATASETS = ["anon8231489123/ShareGPT_Vicuna_unfiltered"]
 
 
-def _generated(sequences: torch.Tensor, prompt_length: int, count: int) -> list[int]:
-    return sequences[0, prompt_length : prompt_length + count].tolist()
+# The card's keys for the bench methods the evaluation runs after the plain baselines.
+CARD_METHODS = {"dflash2_fixed_block": "head", "dflash2_fast": "default", "prompt_lookup": "prompt_lookup"}
 
 
 @torch.no_grad()
 def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tokens: int, on_prompt=None) -> dict:
     """Per prompt set (HumanEval, MT-Bench), on prompts never trained on, greedy, batch 1, methods interleaved per
-    prompt: plain greedy ``generate`` on the bench's plain configurations (``BASELINE_METHODS``: as loaded and,
-    where oneDNN packs the target, on oneDNN; the faster on a set is the baseline, ``fastest_baseline``), the
-    head alone (every round verifies its block, no n-gram drafts: what vLLM and SGLang serve),
-    ``speculative_generate``'s default loop, and prompt lookup. -> τ, per-position acceptance, tokens/s and
-    speedup over the baseline (ratio of the median seconds per token over prompts), and on how many prompts the
-    default loop's text equals plain greedy's."""
+    prompt, each run by the bench's ``Runner``: plain greedy ``generate`` on the bench's plain configurations
+    (``BASELINE_METHODS``; the faster on a set is the baseline, ``fastest_baseline``), the head alone
+    (``dflash2_fixed_block``: every round verifies its block), ``speculative_generate``'s default loop
+    (``dflash2_fast``) and prompt lookup. -> per set: τ, per-position acceptance, tokens/s and speedup over the
+    baseline (ratio of the median seconds per token over prompts) under the card's keys (``CARD_METHODS``), and
+    on how many prompts the default loop's text equals plain greedy's."""
     device = next(target.parameters()).device
-    pad = tokenizer.pad_token_id
-    greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None, "pad_token_id": pad}
-
-    def run(method: str, ids: torch.Tensor, tokens: int):
-        started = time.perf_counter()
-        stats = None
-        if method in PLAIN_KERNELS:
-            with ForwardKernels(target, None, 1, 1, PLAIN_KERNELS[method]):
-                out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, **greedy)
-            generated = _generated(out, ids.shape[1], out.shape[1] - ids.shape[1])
-        elif method == "prompt_lookup":
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                  prompt_lookup_num_tokens=10, **greedy)
-            generated = _generated(out, ids.shape[1], out.shape[1] - ids.shape[1])
-        else:
-            kwargs = ({"adaptive": False, "ngram_size": 0, **PLAIN_GREEDY} if method == "head"
-                      else {"do_sample": False, "pad_token_id": pad})
-            result = speculative_generate(target, head, ids, max_new_tokens=tokens, **kwargs)
-            generated = _generated(result.sequences, ids.shape[1], int(result.num_generated[0]))
-            stats = result.stats
-        return generated, time.perf_counter() - started, stats
-
-    baselines = tuple(m for m in BASELINE_METHODS if PLAIN_KERNELS[m] is None or onednn_packs(target))
-    methods = (*baselines, "head", "default", "prompt_lookup")
+    runner = Runner(target, tokenizer, {"dflash2": head}, max_new_tokens, temperature=0.0)
+    baselines = tuple(m for m in BASELINE_METHODS if runner.supports(m, 1) is None)
+    methods = (*baselines, *CARD_METHODS)
     encoded = encode_prompts(tokenizer, prompts, 1024)
     if encoded:  # warm-up: first-call costs (the default loop measures its cost model once per machine)
         ids = torch.tensor([encoded[0][1]], device=device)
+        runner.max_new_tokens = min(8, max_new_tokens)
         for method in methods:
-            run(method, ids, min(8, max_new_tokens))
+            runner.run(method, ids, torch.ones_like(ids))
+        runner.max_new_tokens = max_new_tokens
     per_set: dict[str, dict] = {}
     for index, (prompt_id, prompt_ids) in enumerate(encoded):
         name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
@@ -71,14 +49,14 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
         texts = {}
         for shift in range(len(methods)):  # rotated: no method always runs right after the same other one
             method = methods[(index + shift) % len(methods)]
-            generated, seconds, stats = run(method, ids, max_new_tokens)
-            texts[method] = generated
+            generated, seconds, stats, method_texts = runner.run(method, ids, torch.ones_like(ids))
+            texts[method] = method_texts[0]
             record = entry[method]
             record["seconds"].append(seconds)
-            record["tokens"].append(len(generated))
+            record["tokens"].append(generated)
             if stats is not None:
                 record["stats"] = copy.deepcopy(stats) if record["stats"] is None else record["stats"].merge(stats)
-        entry["same_text"][0] += texts["default"] == texts["ar"]
+        entry["same_text"][0] += texts["dflash2_fast"] == texts["ar"]
         entry["same_text"][1] += 1
         if on_prompt is not None:
             on_prompt((index + 1) / len(encoded))
@@ -89,14 +67,14 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
         as_loaded = statistics.median(seconds_per_token(entry["ar"]))
         row = {"greedy_tokens_per_s": round(1 / baseline, 2), "baseline": fastest, "prompts": entry["same_text"][1],
                **({"greedy_as_loaded_tokens_per_s": round(1 / as_loaded, 2)} if len(baselines) > 1 else {})}
-        for method in methods[len(baselines):]:
+        for method, key in CARD_METHODS.items():
             record = entry[method]
             median = statistics.median(seconds_per_token(record))
-            row[method] = {"speedup": round(baseline / median, 3), "tokens_per_s": round(1 / median, 2)}
+            row[key] = {"speedup": round(baseline / median, 3), "tokens_per_s": round(1 / median, 2)}
             if record["stats"] is not None:
-                row[method]["tau"] = round(record["stats"].acceptance_length, 3)
-                row[method]["per_position_acceptance"] = [round(x, 3) for x in
-                                                          record["stats"].per_position_acceptance[:8]]
+                row[key]["tau"] = round(record["stats"].acceptance_length, 3)
+                row[key]["per_position_acceptance"] = [round(x, 3) for x in
+                                                       record["stats"].per_position_acceptance[:8]]
         row["default"]["same_text_as_greedy"] = f"{entry['same_text'][0]}/{entry['same_text'][1]}"
         results[name] = row
     return results
@@ -107,8 +85,8 @@ def card_results(evaluation: dict, details: dict) -> dict:
     default loop as ``with_ngram_drafts``."""
     sets = evaluation["sets"]
     return {
-        "method": HEAD_ONLY_METHOD,
-        "method_note": METHOD_NOTES[HEAD_ONLY_METHOD] + "; speedup over the fastest plain greedy `generate`",
+        "method": "dflash2_fixed_block",
+        "method_note": METHOD_NOTES["dflash2_fixed_block"] + "; speedup over the fastest plain greedy `generate`",
         "datasets": {name: {"tau": row["head"].get("tau"), "speedup": row["head"]["speedup"],
                             "per_position_acceptance": row["head"].get("per_position_acceptance", [])}
                      for name, row in sets.items()},

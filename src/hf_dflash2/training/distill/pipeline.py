@@ -301,12 +301,14 @@ def export_head(trainer, folder: Path, base_model: str) -> Path:
         return save_head(drafter, folder, dtype=torch.bfloat16)
 
 
-def training_recipe(state: RunState, trainer, recipe: DistillRecipe, store) -> dict:
+def training_recipe(state: RunState, trainer, recipe: DistillRecipe, store, base_model: str) -> dict:
+    """The head's ``training_recipe.json``: what made it, named as the user named it (``base_model``: the
+    target's Hub id where known, never a local cache path)."""
     config = trainer.config
     plan = state.data["plan"]
     return {
         "made_with": state.data.get("command", "hf-dflash2 distill"),
-        "target": state.data["identity"]["target"] or "SmolLM2-135M-Instruct (offline GGUF)",
+        "target": base_model,
         "steps": trainer.step,
         "trunk_steps": state.data["done"]["trunk"]["step"],
         "cool_steps": trainer.step - state.data["done"]["trunk"]["step"],
@@ -611,7 +613,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
 
         base_model = settings.base_model or _offline_hub_id(settings.target) or state.data["identity"]["target"]
         export_head(trainer, head_folder, base_model)
-        recipe_json = training_recipe(state, trainer, recipe, store)
+        recipe_json = training_recipe(state, trainer, recipe, store, base_model)
         (head_folder / "training_recipe.json").write_text(json.dumps(recipe_json, indent=1) + "\n")
         (head_folder / "training_history.json").write_text(json.dumps(thin_history(trainer.history)) + "\n")
         state.mark("export", {"folder": str(head_folder), "step": trainer.step})
