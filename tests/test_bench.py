@@ -59,7 +59,7 @@ def test_summary_speedup_tau_and_card_numbers():
     from hf_dflash2.hub import _results_section
 
     text = _results_section(card)
-    assert "| humaneval | 1.50 |" in text and "as vLLM and SGLang serve it" in text and "humaneval τ 2.33" in text
+    assert "| humaneval | 1.50 |" in text and "chosen by the adaptive policy" in text and "humaneval τ 2.33" in text
 
 
 def test_dflash1_head_maps_into_the_native_transformers_path():
@@ -170,8 +170,41 @@ def test_the_fixed_block_method_verifies_the_heads_whole_block_every_round_and_s
     assert stats.verify_forwards == stats.rounds > 1 and stats.draft_passes - stats.rounds in (0, 1)
     lengths, full = stats.verify_length_histogram, head.config.block_size - 1  # rounds by drafts verified
     assert lengths[full] >= stats.rounds - full  # all but the last rounds, whose drafts the budget cuts
-    assert Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": head}, 8, temperature=1.0).supports(
-        "dflash2_fixed_block", 1) is not None  # a greedy measure only
+    assert stats.ngram_rounds == 0 and stats.tree_rounds == 0
+    assert "greedy" in Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": head}, 8, temperature=1.0).supports(
+        "dflash2_fixed_block", 1)  # a greedy measure only
+
+
+def test_each_loop_method_calls_the_loop_with_its_own_options(monkeypatch):
+    """The loop methods differ only in the options they pass: record them."""
+    from types import SimpleNamespace
+
+    import hf_dflash2.generation as generation
+    from hf_dflash2.evaluation.bench import Runner
+
+    target = tiny_target(vocab_size=64)
+    calls = {}
+    real = generation.speculative_generate
+
+    def recording(*args, **kwargs):
+        calls[len(calls)] = kwargs
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generation, "speculative_generate", recording)
+    runner = Runner(target, SimpleNamespace(pad_token_id=0), {"dflash2": tiny_drafter(target, dflash2=True)},
+                    max_new_tokens=6, temperature=0.0)
+    ids = torch.tensor([[5, 9, 17, 3, 44, 21]])
+    options = {}
+    for method in ("dflash2_fast", "dflash2_fast_chains", "dflash2_fast_head", "dflash2_fixed_block"):
+        runner.run(method, ids, torch.ones_like(ids))
+        kwargs = calls[len(calls) - 1]
+        options[method] = {k: kwargs.get(k, "default") for k in ("adaptive", "ngram_size", "draft_tree")}
+    assert options == {
+        "dflash2_fast": {"adaptive": "default", "ngram_size": "default", "draft_tree": "default"},
+        "dflash2_fast_chains": {"adaptive": "default", "ngram_size": "default", "draft_tree": False},
+        "dflash2_fast_head": {"adaptive": "default", "ngram_size": 0, "draft_tree": False},
+        "dflash2_fixed_block": {"adaptive": False, "ngram_size": 0, "draft_tree": False},
+    }
 
 
 def test_each_prompt_compares_the_median_runs_texts():

@@ -304,7 +304,10 @@ def test_a_tiny_target_runs_the_whole_pipeline_and_its_head_is_lossless(tmp_path
     head_folder = output / "head"
     card = (head_folder / "README.md").read_text()
     assert "Held-out evaluation (hf-dflash2 distill)" in card and "prompt lookup" in card
+    assert "Method: `dflash2_fixed_block`" in card  # the head alone: its whole block every round
     recipe = json.loads((head_folder / "training_recipe.json").read_text())
+    config = json.loads((head_folder / "config.json").read_text())
+    assert recipe["target"] == config["base_model"]  # named as the card names it
     sets = recipe["heldout_evaluation"]["sets"]
     assert {"head", "default", "prompt_lookup"} <= set(next(iter(sets.values())))
     from hf_dflash2.evaluation.bench import BASELINE_METHODS

@@ -11,13 +11,15 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 - ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch), n-gram drafts
   and draft trees on (the defaults, the kernel chosen per forward);
 - ``dflash2_fast_chains``: the same with ``draft_tree=False``: one chain a round (when sampling, of drafts
-  drawn from the head's q), n-gram drafts still on;
-- ``dflash2_fast_head``: the same with ``ngram_size=0, draft_tree=False``: the head's own chain alone, as
-  vLLM and SGLang verify it;
+  drawn from the head's q, as on every round without trees), n-gram drafts still on; on a sliding-window
+  target, where trees are off anyway, it is ``dflash2_fast``;
+- ``dflash2_fast_head``: the same with ``ngram_size=0, draft_tree=False``: the head's own chain alone, its
+  length chosen by the adaptive policy;
 - ``dflash2_fixed_block``: the fast loop verifying the head's whole block every round (``adaptive=False``, no
   n-gram drafts, no trees, plain greedy whatever the target's generation config asks): the rounds the
-  reference loop runs, on this loop's code. Its tau is the head's held-out tau (``heldout_tau.py``, the cards
-  of ``hf-dflash2 distill``);
+  reference loop runs and vLLM and SGLang verify, on this loop's code. Its tau is the head's held-out tau
+  (``heldout_tau.py``, the cards of ``hf-dflash2 distill``). For a target whose generation config sets a
+  processor (a repetition penalty, say) its text is plain greedy's, not ``ar``'s;
 - ``dflash1_fast``: the fast loop with the DFlash-1 head trained on the same budget;
 - ``prompt_lookup``: Transformers' prompt-lookup decoding (batch 1, greedy);
 - ``native_dflash``: Transformers' own ``speculation_type="dflash"`` path with the DFlash-1 head's

@@ -425,7 +425,8 @@ def speculative_generate(
             continuations and the n-gram's chain as branches of one forward and keep the path accepted
             furthest (``stats.tree_rounds``); ``False``: one chain per row. When sampling, tree nodes are the
             head's greedy tokens, the target draws its token at every slot and the path follows the draws
-            (still lossless); ``False`` then draws each chain's drafts from the head's q instead.
+            (still lossless); chains (``False``, and every round trees cannot take: ``adaptive=False``, a
+            sliding-window target) draw their drafts from the head's q instead.
         generation_config (`GenerationConfig`, *optional*):
             Settings under the keyword arguments, over ``target.generation_config``.
         tokenizer (*optional*):

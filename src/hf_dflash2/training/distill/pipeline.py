@@ -302,8 +302,8 @@ def export_head(trainer, folder: Path, base_model: str) -> Path:
 
 
 def training_recipe(state: RunState, trainer, recipe: DistillRecipe, store, base_model: str) -> dict:
-    """The head's ``training_recipe.json``: what made it, named as the user named it (``base_model``: the
-    target's Hub id where known, never a local cache path)."""
+    """The head's ``training_recipe.json``: what made it; the target named as the card's ``base_model`` (the Hub
+    id where known: ``--base-model``, or an offline target's)."""
     config = trainer.config
     plan = state.data["plan"]
     return {
