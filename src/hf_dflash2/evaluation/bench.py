@@ -45,6 +45,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from unittest import mock
 
@@ -336,7 +337,9 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         if reason:
             report["skipped"][method] = reason
     active = [m for m in methods if m not in report["skipped"]]
-    warm_up(runner, active, datasets, tokenizer, target, args.batch_size)
+    first = next(iter(datasets.values()))[: args.batch_size]
+    warm_up(runner, tqdm(active, desc="warm-up", unit="method"),
+            *left_pad([encode_prompt(tokenizer, p, target.device) for p in first], tokenizer.pad_token_id))
     total = sum(-(-len(p) // args.batch_size) for p in datasets.values()) * len(active) * args.repeats
     progress = tqdm(total=total, desc="bench", unit="run")
     for name, prompts in datasets.items():
@@ -391,15 +394,12 @@ def rotated(items: list, shift: int) -> list:
     return items[shift:] + items[:shift]
 
 
-def warm_up(runner: Runner, methods: list[str], datasets: dict, tokenizer, target, batch_size: int) -> None:
-    """One short untimed run of every method before any timing: kernels get compiled and allocated, and
-    the adaptive paths measure (or load) their cost model here instead of inside the first timed prompt."""
-    prompts = next(iter(datasets.values()))[:batch_size]
-    rows = [encode_prompt(tokenizer, p, target.device) for p in prompts]
-    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+def warm_up(runner: Runner, methods: Iterable[str], ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """One short untimed run of every method on ``ids`` before any timing: kernels get compiled and allocated,
+    and the adaptive paths measure (or load) their cost model here instead of inside the first timed prompt."""
     timed_tokens, runner.max_new_tokens = runner.max_new_tokens, min(8, runner.max_new_tokens)
     try:
-        for method in tqdm(methods, desc="warm-up", unit="method"):
+        for method in methods:
             runner.run(method, ids, mask)
     finally:
         runner.max_new_tokens = timed_tokens

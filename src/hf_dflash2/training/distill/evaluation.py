@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ...evaluation.bench import BASELINE_METHODS, Runner, fastest_baseline, seconds_per_token
+from ...evaluation.bench import BASELINE_METHODS, Runner, fastest_baseline, seconds_per_token, warm_up
 from ...hub import METHOD_NOTES, render_model_card
 from ..regenerate import encode_prompts
 
@@ -34,12 +34,9 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
     baselines = tuple(m for m in BASELINE_METHODS if runner.supports(m, 1) is None)
     methods = (*baselines, *CARD_METHODS)
     encoded = encode_prompts(tokenizer, prompts, 1024)
-    if encoded:  # warm-up: first-call costs (the default loop measures its cost model once per machine)
+    if encoded:  # first-call costs (the default loop measures its cost model once per machine)
         ids = torch.tensor([encoded[0][1]], device=device)
-        runner.max_new_tokens = min(8, max_new_tokens)
-        for method in methods:
-            runner.run(method, ids, torch.ones_like(ids))
-        runner.max_new_tokens = max_new_tokens
+        warm_up(runner, methods, ids, torch.ones_like(ids))
     per_set: dict[str, dict] = {}
     for index, (prompt_id, prompt_ids) in enumerate(encoded):
         name = "humaneval" if prompt_id.startswith("HumanEval") else "mtbench"
