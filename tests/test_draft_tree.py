@@ -403,15 +403,54 @@ def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
     """Negative control: slots of all depths sharing one uniform draw (instead of one per depth) make the
     draws along a path dependent, and the statistics of tokens (2, 3) and (3, 4) above see it."""
 
-    per_depth = Sampler.pick_per_slot
+    per_depth = Sampler.uniforms
 
-    def one_draw(self, logits, depth):
-        return per_depth(self, logits, torch.zeros_like(depth))
+    def one_draw(self, *shape, device=None):  # a tree's [N, W] uniforms: column 0 for every depth
+        if len(shape) == 1:
+            return per_depth(self, *shape, device=device)
+        return per_depth(self, shape[0], 1, device=device).expand(*shape)
 
-    monkeypatch.setattr(Sampler, "pick_per_slot", one_draw)
+    monkeypatch.setattr(Sampler, "uniforms", one_draw)
     target = tiny_target(vocab_size=12, hidden_size=32, seed=3)
     drafter = tiny_drafter(target, block_size=4, selector_top_k=4, mask_token_id=1)
     prompt = torch.tensor([[3, 7, 1, 5, 9, 2, 11, 4, 0, 6, 10, 8]])
     exact = _sequence_law(target, prompt, 4, 1.3, 8, 0.95)
     empirical, _, _ = _sampled_sequences(target, drafter, prompt, 20_000, 11, [(3, 0)])
     assert max(_pair_tvs(empirical, exact)[1:]) > 0.08, _pair_tvs(empirical, exact)
+
+
+def test_sampled_tree_picks_walk_the_accepted_path_only(monkeypatch):
+    """Sampling picks the target's tokens down the tree one depth at a time: the accepted path and its tokens
+    equal those of drawing at every slot (each slot at its depth's uniform), and the draws number the deepest
+    accepted depth plus one, not the tree's slots. Children spell their parent's likeliest tokens, so paths
+    are accepted several deep."""
+    from hf_dflash2.generation import sampling
+    from hf_dflash2.generation.trees import DraftTree, ancestry_of
+
+    parent = torch.tensor([0, 0, 0, 1, 1, 3, 5, 2]).expand(3, -1)  # slots 0..7, slot 0 the anchor
+    depth = torch.tensor([0, 1, 1, 2, 2, 3, 4, 2]).expand(3, -1)
+    draws, deepest = [], 0
+    real_draw = sampling.draw
+    monkeypatch.setattr(sampling, "draw", lambda *a: draws.append(1) or real_draw(*a))
+    for seed in range(6):
+        generator = torch.Generator().manual_seed(seed)
+        logits = torch.randn(3, 8, 6, generator=generator)
+        tokens = torch.randint(0, 6, (3, 7), generator=generator)
+        favoured = tokens.new_zeros(3, 8).scatter_(1, parent[:, 1:], tokens)  # a child's token, per parent
+        logits = logits + 4.0 * torch.nn.functional.one_hot(favoured, 6)
+        tree = DraftTree(tokens, depth, parent, ancestry_of(parent), 7, 0, torch.zeros(3, dtype=torch.long),
+                         torch.zeros(3, dtype=torch.long))
+        sampler = Sampler(True, 1.0, None, None, torch.Generator().manual_seed(seed))
+        draws.clear()
+        walked = accept_tree(tree, sampler.pick_along_tree(logits, tree))
+        uniform = torch.rand(3, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        cumulative = sampler.probs(logits).double().cumsum(-1)
+        at = uniform.gather(1, depth)[..., None] * cumulative[..., -1:]
+        every_slot = accept_tree(tree, torch.searchsorted(cumulative, at, right=True).squeeze(-1))
+        assert torch.equal(walked.accepted, every_slot.accepted)
+        for row in range(3):
+            span = int(walked.accepted[row]) + 1
+            assert torch.equal(walked.tokens[row, :span], every_slot.tokens[row, :span])
+        assert len(draws) == int(walked.accepted.max()) + 1 < 8
+        deepest = max(deepest, int(walked.accepted.max()))
+    assert deepest >= 2

@@ -36,8 +36,8 @@ from hf_dflash2 import DFlash2DraftModel, speculative_generate  # noqa: E402
 from hf_dflash2.assets import load_humaneval_prompts, load_target  # noqa: E402
 from hf_dflash2.prompts import encode_prompt  # noqa: E402
 
-PHASES = ("dflash2::ngram", "dflash2::draft", "dflash2::plan", "dflash2::verify", "dflash2::accept",
-          "dflash2::context")
+PHASES = ("dflash2::ngram", "dflash2::draft", "dflash2::plan", "dflash2::host_read", "dflash2::cache",
+          "dflash2::tree", "dflash2::verify", "dflash2::accept", "dflash2::commit", "dflash2::context")
 
 
 def main() -> None:
@@ -50,6 +50,8 @@ def main() -> None:
     parser.add_argument("--trees", action="store_true", help="the default loop with and without draft trees")
     parser.add_argument("--bound", metavar="SET", help="the default loop against its bound on this prompt set")
     parser.add_argument("--limit", type=int, default=6, help="with --bound: prompts of the set")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="with --bound: sample at this temperature (each call seeded alike); 0: greedy")
     args = parser.parse_args()
     if args.bound:
         return against_bound(args)
@@ -111,16 +113,24 @@ def against_bound(args) -> None:
     rows = []
     for index, prompt in enumerate(load_prompt_set(args.bound, args.limit)):
         ids = encode_prompt(tokenizer, prompt, "cpu")
-        run = dict(max_new_tokens=args.new_tokens, do_sample=False)
+        run = dict(max_new_tokens=args.new_tokens, do_sample=args.temperature > 0)
+        if args.temperature > 0:
+            run.update(temperature=args.temperature, top_k=None, top_p=None)
+        def call():
+            torch.manual_seed(0)  # sampled calls draw alike, so the timed and the profiled call run the same rounds
+            return speculative_generate(target, head, ids, **run)
+
         with torch.no_grad():
-            speculative_generate(target, head, ids, **run)  # warm-up: kernels probed, cost model cached
+            call()  # warm-up: kernels probed, cost model cached
             started = time.perf_counter()
-            plain = speculative_generate(target, head, ids, **run)
+            plain = call()
             wall = time.perf_counter() - started
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 started = time.perf_counter()
-                profiled = speculative_generate(target, head, ids, **run)
+                profiled = call()
                 profiled_wall = time.perf_counter() - started
+        if args.top:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
         stats = plain.stats
         costs = stats.costs
         modeled = stats.draft_passes * costs["draft_seconds"] + sum(
@@ -134,18 +144,20 @@ def against_bound(args) -> None:
                "ms_per_round": round(1e3 * wall / stats.verify_forwards, 1),
                "modeled_ms_per_round": round(1e3 * modeled / stats.verify_forwards, 1),
                "modeled_share": round(modeled / wall, 2)}
-        for phase in ("draft", "verify", "plan", "accept", "context", "ngram"):
+        for phase in (name.removeprefix("dflash2::") for name in PHASES):
             row[f"{phase}_ms"] = round(1e3 * phases.get(phase, 0.0) / forwards, 1)
         row["unlabelled_ms"] = round(1e3 * (profiled_wall - sum(phases.values())) / forwards, 1)
         row["outside_forwards"] = round(1 - (phases.get("draft", 0) + phases.get("verify", 0)) / profiled_wall, 2)
         rows.append(row)
         print(row, flush=True)
+    decoding = f"sampled at T = {args.temperature:g}" if args.temperature > 0 else "greedy"
     header = (f"The default loop against its bound: SmolLM2-135M-Instruct, the committed head, {args.bound} "
-              f"(first {args.limit}), {args.new_tokens} new tokens, greedy, {torch.get_num_threads()} threads. "
+              f"(first {args.limit}), {args.new_tokens} new tokens, {decoding}, {torch.get_num_threads()} threads. "
               "ms_per_round: wall clock without the profiler; modeled: the cost model's draft and verify seconds "
               "for the forwards the call ran (the bound's arithmetic); the phase columns: under the profiler, "
               "ms per round; outside_forwards: the profiled wall's share not in a draft pass or a verify forward.")
-    write_results(f"profile_round_bound_{args.bound}", header, table(rows, list(rows[0])), {"rows": rows})
+    suffix = f"_t{args.temperature:g}" if args.temperature > 0 else ""
+    write_results(f"profile_round_bound_{args.bound}{suffix}", header, table(rows, list(rows[0])), {"rows": rows})
 
 
 def compare_trees(target, head, ids, args) -> None:

@@ -95,6 +95,16 @@ def accept_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return accepted, target_tokens
 
 
+def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``weights`` [N, V] (non-negative, any total) at ``uniform`` [N] in [0, 1): the first
+    token whose cumulative weight passes ``uniform`` times the row's total, an exact draw from the normalised
+    weights. It reads one uniform per row; ``torch.multinomial`` draws V exponentials, which on a CPU take
+    longer than the cumulative sum."""
+    cumulative = weights.double().cumsum(-1)  # float64: float32 sums over a 49K vocabulary drop the smallest tokens
+    at = (uniform.double() * cumulative[:, -1])[:, None]
+    return torch.searchsorted(cumulative, at, right=True).squeeze(-1).clamp_max(weights.shape[-1] - 1)
+
+
 def accept_sampling(
     draft_tokens: torch.Tensor,
     q: torch.Tensor,
@@ -106,7 +116,8 @@ def accept_sampling(
     draft_tokens: [N, S]; q: [N, S, V] proposal the drafts were sampled from; p: [N, S + 1, V] target
     probabilities (after temperature / top-k / top-p). Draft i is kept with probability
     ``min(1, p_i(x) / q_i(x))`` until the first rejection; there a token is drawn from
-    ``norm(max(0, p - q))``, or from ``p`` after a fully accepted block. Returns like ``accept_greedy``.
+    ``norm(max(0, p - q))``, or from ``p`` after a fully accepted block (one draw per row, at that position
+    only). Returns like ``accept_greedy`` (``tokens`` after the bonus repeat it).
     """
     n, s = draft_tokens.shape
     p_draft = p[:, :s].gather(-1, draft_tokens[..., None]).squeeze(-1)
@@ -115,15 +126,18 @@ def accept_sampling(
     uniform = torch.rand(ratio.shape, generator=generator, device=ratio.device)
     keep = (uniform <= ratio).int().cumprod(dim=-1)
     accepted = keep.sum(-1)
-    residual = (p[:, :s] - q).clamp_min(0.0)
-    mass = residual.sum(-1, keepdim=True)
-    # A zero residual means p == q at that position: rejection cannot happen there, any row will do.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:, :s])
-    fallback = torch.cat([residual, p[:, s:]], dim=1)  # [N, S + 1, V]
-    resampled = torch.multinomial(fallback.flatten(0, 1), 1, generator=generator).view(n, s + 1)
+    rows = torch.arange(n, device=draft_tokens.device)
+    p_next = p[rows, accepted]  # [N, V]
+    weights = p_next
+    if s:
+        residual = (p_next - q[rows, accepted.clamp_max(s - 1)]).clamp_min(0.0)
+        # A zero residual means p == q at that position: rejection cannot happen there, any row will do.
+        rejected = (accepted < s)[:, None] & (residual.sum(-1, keepdim=True) > 0)
+        weights = torch.where(rejected, residual, p_next)
+    resampled = draw(weights, torch.rand(n, generator=generator, device=p.device, dtype=torch.float64))
     positions = torch.arange(s + 1, device=draft_tokens.device)
-    drafts_padded = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1)
-    tokens = torch.where(positions[None] < accepted[:, None], drafts_padded, resampled)
+    drafts_padded = torch.cat([draft_tokens, resampled[:, None]], dim=1)
+    tokens = torch.where(positions[None] < accepted[:, None], drafts_padded, resampled[:, None])
     return accepted, tokens
 
 

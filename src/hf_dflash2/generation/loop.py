@@ -159,7 +159,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
 
     With ``trees``, a round where the head drafted may verify a tree: its likeliest continuations and the
     n-gram's chain (``trees.py``), as the policy plans. Tree nodes are fixed drafts (the head drafts greedily),
-    so the target's token at every slot is its argmax or, when sampling, a draw (``Sampler.pick_per_slot``).
+    so the target's token at every slot is its argmax or, when sampling, a draw (``Sampler.pick_along_tree``).
 
     Args:
         target (`PreTrainedModel`): the causal LM, prefilled.
@@ -219,44 +219,47 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
         # plan, whether any row took the head's draft, whether last round's tree path must move, and the
         # most drafts a running row can still commit: a round writes a row's accepted drafts and one token
         # more, so with r tokens of its budget left a row can use r - 1 drafts.
-        room = output.max_new_tokens - 1 - output.count[rows.index]
-        any_running, all_running, crop, k, k_ngram, head_used, move, most_room = torch.stack([
-            (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
-            *(torch.as_tensor(x, device=no.device).long() for x in plan),
-            (no if draft is None else draft.uses_head).long(), path_moves.long(),
-            torch.where(rows.finished, 0, room).max()]).tolist()
+        with record_function("dflash2::host_read"):
+            room = output.max_new_tokens - 1 - output.count[rows.index]
+            any_running, all_running, crop, k, k_ngram, head_used, move, most_room = torch.stack([
+                (~rows.finished).any().long(), (~rows.finished).all().long(), unused_tail.long(),
+                *(torch.as_tensor(x, device=no.device).long() for x in plan),
+                (no if draft is None else draft.uses_head).long(), path_moves.long(),
+                torch.where(rows.finished, 0, room).max()]).tolist()
         if not any_running:
             return
         stats.verify_forwards += 1
         # a tree's m counts its nodes, not their depth: the tree is kept unless no row has room
         k, k_ngram = min(k, most_room) if not tree_round or most_room == 0 else k, min(k_ngram, most_room)
         policy.room = most_room
-        if move:  # before the crop: the path's slots are among the cache's last W
-            move_path_to_front(cache, path_order)
-        path_order, path_moves = None, no
-        if crop > 0:
-            cache.crop(-crop)
-            context.crop(crop)
-        if not all_running:
-            keep = (~rows.finished).nonzero().flatten()  # rows finished: drop them, they stop costing
-            cache.batch_select_indices(keep)
-            context.select(keep)
-            rows = rows.select(keep)
-            if draft is not None:
-                draft = draft.select(keep)
+        with record_function("dflash2::cache"):
+            if move:  # before the crop: the path's slots are among the cache's last W
+                move_path_to_front(cache, path_order)
+            path_order, path_moves = None, no
+            if crop > 0:
+                cache.crop(-crop)
+                context.crop(crop)
+            if not all_running:
+                keep = (~rows.finished).nonzero().flatten()  # rows finished: drop them, they stop costing
+                cache.batch_select_indices(keep)
+                context.select(keep)
+                rows = rows.select(keep)
+                if draft is not None:
+                    draft = draft.select(keep)
 
         tree = None
-        if tree_round:
-            k_ngram = k_ngram if draft.ngram_tokens is not None else 0
-            head_used = k > 0
-            if k == 0:  # the n-gram's chain alone (a linear round), or a plain step
-                if k_ngram:
-                    draft = make_proposal(None, draft.ngram_tokens, draft.ngram_size, None, rows.anchor, vocab)
-                k = k_ngram
-            else:
-                nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
-                tree = build_tree(nodes, k, draft.head_tokens, draft.ngram_tokens, k_ngram, block_size)
-                k = tree.width - 1
+        with record_function("dflash2::tree"):
+            if tree_round:
+                k_ngram = k_ngram if draft.ngram_tokens is not None else 0
+                head_used = k > 0
+                if k == 0:  # the n-gram's chain alone (a linear round), or a plain step
+                    if k_ngram:
+                        draft = make_proposal(None, draft.ngram_tokens, draft.ngram_size, None, rows.anchor, vocab)
+                    k = k_ngram
+                else:
+                    nodes = HeadNodes(draft.node_tokens, draft.node_depth, draft.node_logp, draft.node_parent)
+                    tree = build_tree(nodes, k, draft.head_tokens, draft.ngram_tokens, k_ngram, block_size)
+                    k = tree.width - 1
         if draft is not None:
             policy.chosen(k, bool(head_used))
         longest += k + 1
@@ -283,7 +286,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
                 source = None if draft is None else draft.source
                 policy.observe(None if draft is None else draft.confidence, k, accepted, source)
             else:
-                result = accept_tree(tree, sampler.pick_per_slot(logits, tree.depth))
+                result = accept_tree(tree, sampler.pick_along_tree(logits, tree))
                 # as if the path was verified alone: the features now, the cache after the next host read
                 features = gather_path(features, result.order)
                 if token_scores is not None:
@@ -295,7 +298,7 @@ def speculative_decode(target, drafter, cache, context: DraftContext, rows: Rows
 
         # 5. commit: write the accepted tokens and the bonus (up to EOS, the budget, a stop); the anchor and the
         # accepted drafts become the drafter's context, and the bonus is the next anchor
-        with record_function("dflash2::accept"):
+        with record_function("dflash2::commit"):
             spans = None
             if token_scores is not None:  # before the commit: stopping criteria read this round's scores
                 spans = token_scores.record(rows, output.count[rows.index], accepted + 1, raw_path,

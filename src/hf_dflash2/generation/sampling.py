@@ -5,10 +5,15 @@ Shapes: N rows, V the target's vocabulary, k a round's drafts, W a draft tree's 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from transformers import GenerationConfig
 
-from ..speculative_dflash2 import Proposal, accept_greedy, accept_sampling, dense_proposal, process_logits
+from ..speculative_dflash2 import Proposal, accept_greedy, accept_sampling, dense_proposal, draw, process_logits
+
+if TYPE_CHECKING:
+    from .trees import DraftTree
 
 
 def tail_warpers(config: GenerationConfig, device=None) -> list:
@@ -62,28 +67,46 @@ class Sampler:
         """[..., V] logits -> the target's sampling distribution (``warp``, then softmax)."""
         return self.warp(logits).softmax(-1)
 
+    def uniforms(self, *shape: int, device=None) -> torch.Tensor:
+        """Float64 uniforms in [0, 1) of ``shape``, from the call's generator."""
+        return torch.rand(shape, generator=self.generator, device=device, dtype=torch.float64)
+
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """[N, V] -> [N]"""
         if not self.do_sample:
             return logits.argmax(-1)
-        return torch.multinomial(self.probs(logits), 1, generator=self.generator).squeeze(-1)
+        return draw(self.probs(logits), self.uniforms(logits.shape[0], device=logits.device))
 
-    def pick_per_slot(self, logits: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        """The target's token after every slot of a draft tree: logits [N, W, V], depth [N, W] -> [N, W].
+    def pick_along_tree(self, logits: torch.Tensor, tree: "DraftTree") -> torch.Tensor:
+        """The target's token after the slots of a draft tree: logits [N, W, V] -> [N, W], enough for
+        ``accept_tree``. Greedy: every slot's argmax.
 
-        Sampling inverts each slot's cumulative distribution at one uniform draw per row and depth, shared
-        by the slots of that depth. The tree is fixed before the draws, and the accepted path reads one slot
-        per depth, so each committed token is a fresh draw from the target's law given the tokens before
-        it: plain sampling, token by token. Sharing also makes identical branches agree. (One uniform per
-        depth, not V exponentials per slot: the latter cost more than a CPU forward.)"""
+        Sampling walks down from the anchor: the target draws its token after the slot it has accepted at
+        depth d, at one uniform per row and depth, and the children that spell the draw are accepted at depth
+        d + 1. So each committed token is a fresh draw from the target's law given the tokens before it: plain
+        sampling, token by token. Slots that are not accepted get no draw (``V`` there): each draw costs a
+        softmax and a cumulative sum over the vocabulary, and a tree's other slots would take most of a round's
+        sampling time. Accepted slots of one depth spell the same text, so they share its draw.
+        """
         if not self.do_sample:
             return logits.argmax(-1)
-        # float64: float32 sums over a 49K vocabulary drop the smallest tokens
-        cumulative = self.probs(logits).double().cumsum(-1)
-        uniform = torch.rand(depth.shape, generator=self.generator, device=depth.device, dtype=torch.float64)
-        uniform = uniform.gather(1, depth)
-        at = (uniform * cumulative[..., -1])[..., None]  # the first token whose cumulative mass passes it
-        return torch.searchsorted(cumulative, at, right=True).squeeze(-1).clamp_max(logits.shape[-1] - 1)
+        n, width, vocab = logits.shape
+        uniform = self.uniforms(n, width, device=logits.device)  # column d: the draw at depth d
+        picks = torch.full((n, width), vocab, dtype=torch.long, device=logits.device)
+        tokens = torch.cat([picks[:, :1], tree.tokens], dim=1)  # slot 0, the anchor, is no child
+        accepted = torch.zeros(n, width, dtype=torch.bool, device=logits.device)
+        accepted[:, 0] = True
+        rows = torch.arange(n, device=logits.device)
+        for depth in range(width):
+            here = accepted & (tree.depth == depth)  # [N, W]
+            token = draw(self.probs(logits[rows, here.int().argmax(-1)]), uniform[:, depth])
+            picks = torch.where(here, token[:, None], picks)
+            children = (tree.depth == depth + 1) & accepted.gather(1, tree.parent) & (tokens == token[:, None])
+            # off a GPU a host read is free, and the walk ends where the accepted path does
+            if logits.device.type == "cpu" and not children.any():
+                break
+            accepted |= children
+        return picks
 
     def accept(self, draft_tokens: torch.Tensor, draft: Proposal | None, logits: torch.Tensor):
         """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
@@ -92,7 +115,7 @@ class Sampler:
         k = draft_tokens.shape[1]
         p = self.probs(logits)
         if k == 0:  # a plain step (there may be no draft at all)
-            tokens = torch.multinomial(p[:, 0], 1, generator=self.generator)
+            tokens = draw(p[:, 0], self.uniforms(p.shape[0], device=p.device))[:, None]
             return tokens.new_zeros(tokens.shape[0]), tokens
         q = dense_proposal(draft.q_ids[:, :k], draft.q_probs[:, :k], logits.shape[-1])
         return accept_sampling(draft_tokens, q, p, self.generator)
