@@ -435,3 +435,39 @@ def test_the_loop_runs_without_autograd_even_when_the_caller_has_it_on():
                                return_dict_in_generate=True, output_scores=True)
     assert grad_modes and not any(grad_modes)
     assert not out.sequences.requires_grad and not any(score.requires_grad for score in out.scores)
+
+
+def test_one_uniform_draw_follows_the_weights_and_never_picks_a_zero_weight_token():
+    """``draw`` inverts each row's cumulative weights at its uniform: on a grid of uniforms the tokens come in
+    proportion to their (unnormalised) weights, and zero-weight tokens, at the ends and between others, are never
+    drawn, not even at the uniforms 0 and just below 1; a row with nothing to draw is refused by its index."""
+    from hf_dflash2.speculative_dflash2 import draw
+
+    weights = torch.tensor([0.0, 3.0, 0.0, 0.0, 1.0, 4.0, 0.0])
+    grid = (torch.arange(8000, dtype=torch.float64) + 0.5) / 8000
+    tokens = draw(weights.expand(8000, -1), grid)
+    assert torch.equal(torch.bincount(tokens, minlength=7), torch.tensor([0, 3000, 0, 0, 1000, 4000, 0]))
+    edges = draw(weights.expand(2, -1), torch.tensor([0.0, 1.0 - 1e-12], dtype=torch.float64))
+    assert edges.tolist() == [1, 5]
+    with pytest.raises(ValueError, match="row 1: its sampling weights sum to 0"):
+        draw(torch.stack([weights, torch.zeros(7)]), torch.zeros(2, dtype=torch.float64))
+
+
+def test_speculative_sampling_keeps_the_law_at_every_position_of_a_block():
+    """``accept_sampling`` on 300,000 rows of two drafts drawn from q: under target laws p0, p1, p2 that do not
+    depend on the text, a row's accepted drafts and drawn token, then fresh draws from p where its round ended,
+    have the law p0 x p1 x p2. Rows end at every length (the first draft rejected, the second, neither), so a
+    replacement drawn at another position than the first rejection fails it."""
+    from hf_dflash2.speculative_dflash2 import accept_sampling
+
+    generator, n = torch.Generator().manual_seed(0), 300_000
+    p = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.1, 0.2, 0.3, 0.4], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.4, 0.4, 0.1], [0.4, 0.3, 0.2, 0.1]])
+    drafts = torch.stack([torch.multinomial(q[i], n, replacement=True, generator=generator) for i in range(2)], 1)
+    accepted, tokens = accept_sampling(drafts, q.expand(n, -1, -1), p.expand(n, -1, -1), generator)
+    assert set(accepted.unique().tolist()) == {0, 1, 2}
+    fresh = torch.stack([torch.multinomial(p[i], n, replacement=True, generator=generator) for i in range(3)], 1)
+    out = torch.where(torch.arange(3) <= accepted[:, None], tokens, fresh)
+    joint = torch.bincount(out[:, 0] * 16 + out[:, 1] * 4 + out[:, 2], minlength=64).float() / n
+    exact = (p[0][:, None, None] * p[1][None, :, None] * p[2][None, None, :]).flatten()
+    assert float(0.5 * (joint - exact).abs().sum()) < 0.015

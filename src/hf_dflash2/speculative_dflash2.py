@@ -101,7 +101,12 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     weights. It reads one uniform per row; ``torch.multinomial`` draws V exponentials, which on a CPU take
     longer than the cumulative sum."""
     cumulative = weights.double().cumsum(-1)  # float64: float32 sums over a 49K vocabulary drop the smallest tokens
-    at = (uniform.double() * cumulative[:, -1])[:, None]
+    total = cumulative[:, -1]
+    if weights.device.type == "cpu" and not bool((total > 0).all() and total.isfinite().all()):  # free off a GPU
+        row = int((~((total > 0) & total.isfinite())).nonzero()[0])
+        raise ValueError(f"no token can be drawn in row {row}: its sampling weights sum to {float(total[row])} "
+                         "(every token's probability is 0 or NaN; a logits processor may have removed every token)")
+    at = (uniform.double() * total)[:, None]
     return torch.searchsorted(cumulative, at, right=True).squeeze(-1).clamp_max(weights.shape[-1] - 1)
 
 

@@ -81,17 +81,22 @@ class Sampler:
         """The target's token after the slots of a draft tree: logits [N, W, V] -> [N, W], enough for
         ``accept_tree``. Greedy: every slot's argmax.
 
-        Sampling walks down from the anchor: the target draws its token after the slot it has accepted at
-        depth d, at one uniform per row and depth, and the children that spell the draw are accepted at depth
-        d + 1. So each committed token is a fresh draw from the target's law given the tokens before it: plain
-        sampling, token by token. Slots that are not accepted get no draw (``V`` there): each draw costs a
-        softmax and a cumulative sum over the vocabulary, and a tree's other slots would take most of a round's
-        sampling time. Accepted slots of one depth spell the same text, so they share its draw.
+        Sampling draws at one uniform per row and depth, shared by that depth's slots; the tree is fixed
+        before the draws and the accepted path reads one slot per depth, so each committed token is a fresh
+        draw from the target's law given the tokens before it: plain sampling, token by token. On a CPU the
+        draws walk down from the anchor: after the slot accepted at depth d, then at its children that spell
+        the draw, ending where the path does. Slots off the path get no draw (``V`` there): each draw is a
+        softmax and a cumulative sum over the vocabulary, and a tree's other slots would take most of a
+        round's sampling time. Accepted slots of one depth spell the same text, so they share its draw. On a
+        GPU, where the walk's steps would run one after another, every slot draws at once.
         """
         if not self.do_sample:
             return logits.argmax(-1)
         n, width, vocab = logits.shape
         uniform = self.uniforms(n, width, device=logits.device)  # column d: the draw at depth d
+        if logits.device.type != "cpu":
+            every_slot = uniform.gather(1, tree.depth)
+            return draw(self.probs(logits).flatten(0, 1), every_slot.flatten()).view(n, width)
         picks = torch.full((n, width), vocab, dtype=torch.long, device=logits.device)
         tokens = torch.cat([picks[:, :1], tree.tokens], dim=1)  # slot 0, the anchor, is no child
         accepted = torch.zeros(n, width, dtype=torch.bool, device=logits.device)
@@ -102,8 +107,7 @@ class Sampler:
             token = draw(self.probs(logits[rows, here.int().argmax(-1)]), uniform[:, depth])
             picks = torch.where(here, token[:, None], picks)
             children = (tree.depth == depth + 1) & accepted.gather(1, tree.parent) & (tokens == token[:, None])
-            # off a GPU a host read is free, and the walk ends where the accepted path does
-            if logits.device.type == "cpu" and not children.any():
+            if not children.any():
                 break
             accepted |= children
         return picks

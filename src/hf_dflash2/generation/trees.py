@@ -21,11 +21,11 @@ read, which also says whether any row's path is out of place: when a row's path 
 the loop (holes, crop) is unchanged.
 
 Sampling needs no multi-draft rejection step: every node is a fixed draft (the head drafts greedily in
-a tree round), so the target draws its own token after every slot and the round follows the draws down
-the tree (``accept_tree`` over the draws). Slots of one depth share one uniform draw (each slot inverts its
-own distribution at it), so the tokens committed are drawn one by one from the target's law given the
-tokens before them, exactly as plain sampling would; a branch is accepted with the target's probability
-of its token.
+a tree round), so the target draws its own token after each slot the round reaches and the round follows
+the draws down the tree (``Sampler.pick_along_tree``, then ``accept_tree`` over the draws). Slots of one
+depth share one uniform draw (each slot inverts its own distribution at it), so the tokens committed are
+drawn one by one from the target's law given the tokens before them, exactly as plain sampling would; a
+branch is accepted with the target's probability of its token.
 """
 
 from __future__ import annotations
@@ -252,7 +252,8 @@ class TreeAcceptance:
 
 def accept_tree(tree: DraftTree, picks: torch.Tensor) -> TreeAcceptance:
     """Acceptance over the tree: ``picks`` [N, W] the target's token after each slot (its argmax, or its
-    draw when sampling). A slot is accepted when every slot on its path is the pick of its parent."""
+    draw when sampling; a slot off the accepted path may hold ``V``, no token). A slot is accepted when every
+    slot on its path is the pick of its parent."""
     n, width = picks.shape
     rows = torch.arange(n, device=picks.device)
     match = torch.cat([picks.new_ones(n, 1, dtype=torch.bool), tree.tokens == picks.gather(1, tree.parent[:, 1:])],
