@@ -195,14 +195,12 @@ def test_each_loop_method_calls_the_loop_with_its_own_options(monkeypatch):
                     max_new_tokens=6, temperature=0.0)
     ids = torch.tensor([[5, 9, 17, 3, 44, 21]])
     options = {}
-    for method in ("dflash2_fast", "dflash2_fast_trees", "dflash2_fast_chains", "dflash2_fast_head",
-                   "dflash2_fixed_block"):
+    for method in ("dflash2_fast", "dflash2_fast_chains", "dflash2_fast_head", "dflash2_fixed_block"):
         runner.run(method, ids, torch.ones_like(ids))
         kwargs = calls[len(calls) - 1]
         options[method] = {k: kwargs.get(k, "default") for k in ("adaptive", "ngram_size", "draft_tree")}
     assert options == {
         "dflash2_fast": {"adaptive": "default", "ngram_size": "default", "draft_tree": "default"},
-        "dflash2_fast_trees": {"adaptive": "default", "ngram_size": "default", "draft_tree": True},
         "dflash2_fast_chains": {"adaptive": "default", "ngram_size": "default", "draft_tree": False},
         "dflash2_fast_head": {"adaptive": "default", "ngram_size": 0, "draft_tree": False},
         "dflash2_fixed_block": {"adaptive": False, "ngram_size": 0, "draft_tree": False},

@@ -364,7 +364,7 @@ def test_sampled_tree_rounds_with_processors_keep_generates_law():
     for _ in range(4):
         out = speculative_generate(target, drafter, prompt.repeat(5000, 1), max_new_tokens=3, do_sample=True,
                                    generator=generator, verify_policy=ForcedTrees([(2, 3), (3, 0)]), block_size=8,
-                                   logits_processor=ban, draft_tree=True, **settings)
+                                   logits_processor=ban, **settings)
         t = out.sequences[:, prompt.shape[1]: prompt.shape[1] + 3]
         counts.index_put_(tuple(t.T), torch.ones(len(t)), accumulate=True)
         tree_rounds += out.stats.tree_rounds
@@ -481,8 +481,7 @@ def test_a_repetition_penalty_alone_is_batched_and_bit_for_bit_the_processors(ta
     elif mode == "draft vocabulary":
         drafter.set_draft_vocab(list(range(0, VOCAB, 2)))
     elif mode == "sampled trees":
-        common = {**common, "do_sample": True, "temperature": 1.5, "generator": torch.Generator().manual_seed(0),
-                  "draft_tree": True}
+        common = {**common, "do_sample": True, "temperature": 1.5, "generator": torch.Generator().manual_seed(0)}
     out = speculative_generate(target, drafter, ids, mask, **policy, **common)
     assert calls["round"] > 3 and calls["drafts"] > (0 if mode == "chains" else 3)
     if mode == "chains":

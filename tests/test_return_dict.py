@@ -79,7 +79,7 @@ def test_sampled_scores_are_the_warped_logits_of_the_text_so_far(target, renorma
     drafter = tiny_drafter(target, block_size=5).to(torch.float64)
     out = speculative_generate(target, drafter, prompts, max_new_tokens=12, do_sample=True, num_return_sequences=3,
                                generator=torch.Generator().manual_seed(0), eos_token_id=None, block_size=10,
-                               verify_policy=ForcedTrees([(3, 4), (2, 2)]), draft_tree=True, **settings, **RETURN)
+                               verify_policy=ForcedTrees([(3, 4), (2, 2)]), **settings, **RETURN)
     assert out.sequences.shape == (6, 6 + 12) and out.stats.tree_rounds > 0
     assert torch.equal(out.sequences[:, :6], prompts.repeat_interleave(3, dim=0))
     assert len({tuple(row) for row in out.sequences[:, 6:].tolist()}) > 2  # samples, not copies

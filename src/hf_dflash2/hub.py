@@ -255,8 +255,7 @@ def _card_datasets(results: dict | None, head_folder: Path) -> list[str]:
 HEAD_ONLY_METHOD, HYBRID_METHOD = "dflash2_fast_head", "dflash2_fast"
 METHOD_NOTES = {
     HEAD_ONLY_METHOD: "the head's own drafts, their verify length chosen by the adaptive policy",
-    HYBRID_METHOD: "hf_dflash2's fast loop with its defaults: n-gram drafts next to the head's, and draft trees "
-                   "(greedy) or chains of drafts drawn from the head (sampling)",
+    HYBRID_METHOD: "hf_dflash2's fast loop with its defaults: n-gram drafts next to the head's, and draft trees",
     "dflash2_fixed_block": "the head's whole block verified every round, no n-gram drafts, no trees, as vLLM and "
                            "SGLang verify it (the head's held-out τ)",
 }

@@ -8,13 +8,11 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
   the faster of the two on each prompt set** (``fastest_baseline``): the fastest plain ``generate`` this
   machine has for the target, in the same dtype. ``speedup_vs_as_loaded`` compares with ``ar`` alone;
 - ``dflash2_generate``: ``target.generate(assistant_model=dflash2_head)`` (batch 1);
-- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch) and its defaults:
-  n-gram drafts, draft trees when greedy and chains of drafts drawn from the head's q when sampling, the
-  kernel chosen per forward;
-- ``dflash2_fast_trees``: the same with ``draft_tree=True``: trees when sampling too (fixed nodes that the
-  target's draws follow); greedy, it is ``dflash2_fast``;
-- ``dflash2_fast_chains``: the same with ``draft_tree=False``: one chain a round, greedy too, n-gram drafts
-  still on; sampling, or on a sliding-window target (where trees are off anyway), it is ``dflash2_fast``;
+- ``dflash2_fast``: ``hf_dflash2.speculative_generate`` with the dFlash 2 head (any batch), n-gram drafts
+  and draft trees on (the defaults, the kernel chosen per forward);
+- ``dflash2_fast_chains``: the same with ``draft_tree=False``: one chain a round (when sampling, of drafts
+  drawn from the head's q, as on every round without trees), n-gram drafts still on; on a sliding-window
+  target, where trees are off anyway, it is ``dflash2_fast``;
 - ``dflash2_fast_head``: the same with ``ngram_size=0, draft_tree=False``: the head's own chain alone, its
   length chosen by the adaptive policy;
 - ``dflash2_fixed_block``: the fast loop verifying the head's whole block every round (``adaptive=False``, no
@@ -181,8 +179,8 @@ class Runner:
 
     def supports(self, method: str, batch: int) -> str | None:
         """None if the method can run here, else why not."""
-        if method in ("dflash2_generate", "dflash2_fast", "dflash2_fast_trees", "dflash2_fast_chains",
-                      "dflash2_fast_head", "dflash2_fixed_block") and "dflash2" not in self.heads:
+        if method in ("dflash2_generate", "dflash2_fast", "dflash2_fast_chains", "dflash2_fast_head",
+                      "dflash2_fixed_block") and "dflash2" not in self.heads:
             return "no dFlash 2 head"
         if method in ("dflash1_fast", "native_dflash") and "dflash1" not in self.heads:
             return "no DFlash-1 head"
@@ -252,8 +250,7 @@ class Runner:
             for produced in result.acceptance_lengths:
                 stats.record(torch.tensor([produced - 1]), torch.tensor([produced]), verified=reference.block_size - 1)
             stats.verify_forwards = stats.draft_passes = len(result.acceptance_lengths)
-        elif method in ("dflash2_fast", "dflash2_fast_trees", "dflash2_fast_chains", "dflash2_fast_head",
-                        "dflash1_fast"):
+        elif method in ("dflash2_fast", "dflash2_fast_chains", "dflash2_fast_head", "dflash1_fast"):
             head = self.heads["dflash1" if method == "dflash1_fast" else "dflash2"]
             result = speculative_generate(
                 self.target, head, ids, attention_mask=mask, max_new_tokens=n, do_sample=self.sample,
@@ -261,7 +258,6 @@ class Runner:
                 top_p=self.top_p if self.sample else None, pad_token_id=self.pad, linear_kernel=self.linear_kernel,
                 **({"ngram_size": 0, "draft_tree": False} if method == "dflash2_fast_head" else {}),
                 **({"draft_tree": False} if method == "dflash2_fast_chains" else {}),
-                **({"draft_tree": True} if method == "dflash2_fast_trees" else {}),
             )
             generated, stats, out = int(result.num_generated.sum()), result.stats, result.sequences
         elif method == "dflash2_fixed_block":

@@ -363,7 +363,7 @@ def speculative_generate(
     verify_policy: VerifyPolicy | None = None,
     cost_model: CostModel | None = None,
     ngram_size: int = DEFAULT_NGRAM_SIZE,
-    draft_tree: bool | None = None,
+    draft_tree: bool = True,
     generation_config: GenerationConfig | None = None,
     tokenizer=None,
     logits_processor: LogitsProcessorList | None = None,
@@ -423,13 +423,13 @@ def speculative_generate(
             At most 4; 0 turns it off. Rows may draft by prompt lookup instead, from the most recent earlier
             occurrence of their last ``n <= ngram_size`` tokens in the prompt or output, when the policy expects
             that to be accepted further than the head's draft (``stats.ngram_rounds``).
-        draft_tree (`bool`, *optional*):
+        draft_tree (`bool`, defaults to `True`):
             With the adaptive policy, not on sliding-window targets: a round may verify the head's likeliest
             continuations and the n-gram's chain as branches of one forward and keep the path accepted
-            furthest (``stats.tree_rounds``); ``False``: one chain per row. Default: trees when greedy, chains
-            when sampling, whose drafts are drawn from the head's q and kept by speculative sampling (faster
-            than trees at T = 1 in docs/benchmarks.md). ``True`` when sampling: tree nodes are the head's greedy
-            tokens, the target draws its tokens down the tree and the path follows the draws (still lossless).
+            furthest (``stats.tree_rounds``); ``False``: one chain per row. When sampling, tree nodes are the
+            head's greedy tokens, the target draws its tokens down the tree and the path follows the draws
+            (still lossless); chains (``False``, and every round trees cannot take: ``adaptive=False``, a
+            sliding-window target) draw their drafts from the head's q instead.
         generation_config (`GenerationConfig`, *optional*):
             Settings under the keyword arguments, over ``target.generation_config``.
         tokenizer (*optional*):
@@ -568,8 +568,7 @@ def speculative_generate(
         if streamer is not None:
             streamer.put(input_ids[0].cpu())
             streamer.put(anchor.cpu())
-        wants_trees = not do_sample if draft_tree is None else draft_tree
-        trees = wants_trees and policy.plans_trees and supports_trees(target, cache)
+        trees = draft_tree and policy.plans_trees and supports_trees(target, cache)
         speculative_decode(target, drafter, cache, context, rows, output, policy, sampler, stats, block_size, streamer,
                            ngram_size, trees, processors, deadline, token_scores)
         if streamer is not None:
