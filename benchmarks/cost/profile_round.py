@@ -5,7 +5,7 @@
 
 Runs ``speculative_generate`` with the whole block verified every round (``adaptive=False``, so every
 round has the same shape) under ``torch.profiler`` and reports, per round: the loop's phases
-(``dflash2::draft`` / ``verify`` / ``accept`` / ``context``, recorded by the loop) and the operators with
+(``dflash2::draft`` / ``verify`` / ``accept`` / ``commit`` / ..., recorded by the loop) and the operators with
 the most self time. A fresh head by default (tau ~ 1: one token per round). Writes
 benchmarks/results/<cpu kind>/profile_round_<dtype>_b<B>.{json,md}.
 
@@ -13,7 +13,8 @@ benchmarks/results/<cpu kind>/profile_round_<dtype>_b<B>.{json,md}.
 prompts of SET (humaneval, mtbench, longctx; ``--limit``), where it runs below its bound: per prompt, the
 wall time per round beside what the cost model predicts for the forwards it ran (the bound's own
 arithmetic), and, under the profiler, the time in the draft pass, the verify forward and everything else
-(plan, accept, commit, context, and what no phase covers). Writes profile_round_bound_<set>.{json,md}.
+(plan, accept, commit, context, and what no phase covers; the wall includes the prefill). With
+``--temperature T`` it samples, each call seeded alike. Writes profile_round_bound_<set>[_t<T>].{json,md}.
 
 ``--trees``: the default loop instead (adaptive policy, n-gram drafts, block widened to 16), profiled
 once with draft trees and once without (``draft_tree=False``), phases per round side by side (plus
