@@ -420,10 +420,10 @@ def test_the_tree_law_statistic_detects_one_draw_for_every_depth(monkeypatch):
 
 
 def test_sampled_tree_picks_walk_the_accepted_path_only(monkeypatch):
-    """Sampling picks the target's tokens down the tree one depth at a time: the accepted path and its tokens
-    equal those of drawing at every slot (each slot at its depth's uniform), and the draws number the deepest
-    accepted depth plus one, not the tree's slots. Children spell their parent's likeliest tokens, so paths
-    are accepted several deep."""
+    """Sampling picks the target's tokens down the tree one depth at a time (on a CPU): the accepted path and its
+    tokens equal those of drawing at every slot at its depth's uniform (``pick_every_slot``, on a GPU), and the
+    walk's draws number the deepest accepted depth plus one, not the tree's slots. Children spell their
+    parent's likeliest tokens, so paths are accepted several deep."""
     from hf_dflash2.generation import sampling
     from hf_dflash2.generation.trees import DraftTree, ancestry_of
 
@@ -443,14 +443,13 @@ def test_sampled_tree_picks_walk_the_accepted_path_only(monkeypatch):
         sampler = Sampler(True, 1.0, None, None, torch.Generator().manual_seed(seed))
         draws.clear()
         walked = accept_tree(tree, sampler.pick_along_tree(logits, tree))
-        uniform = torch.rand(3, 8, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        cumulative = sampler.probs(logits).double().cumsum(-1)
-        at = uniform.gather(1, depth)[..., None] * cumulative[..., -1:]
-        every_slot = accept_tree(tree, torch.searchsorted(cumulative, at, right=True).squeeze(-1))
+        walk_draws = len(draws)
+        every_slot = accept_tree(tree, Sampler(True, 1.0, None, None, torch.Generator().manual_seed(seed))
+                                 .pick_every_slot(logits, tree))  # what a GPU draws
         assert torch.equal(walked.accepted, every_slot.accepted)
         for row in range(3):
             span = int(walked.accepted[row]) + 1
             assert torch.equal(walked.tokens[row, :span], every_slot.tokens[row, :span])
-        assert len(draws) == int(walked.accepted.max()) + 1 < 8
+        assert walk_draws == int(walked.accepted.max()) + 1 < 8
         deepest = max(deepest, int(walked.accepted.max()))
     assert deepest >= 2

@@ -92,11 +92,10 @@ class Sampler:
         """
         if not self.do_sample:
             return logits.argmax(-1)
+        if logits.device.type != "cpu":
+            return self.pick_every_slot(logits, tree)
         n, width, vocab = logits.shape
         uniform = self.uniforms(n, width, device=logits.device)  # column d: the draw at depth d
-        if logits.device.type != "cpu":
-            every_slot = uniform.gather(1, tree.depth)
-            return draw(self.probs(logits).flatten(0, 1), every_slot.flatten()).view(n, width)
         picks = torch.full((n, width), vocab, dtype=torch.long, device=logits.device)
         tokens = torch.cat([picks[:, :1], tree.tokens], dim=1)  # slot 0, the anchor, is no child
         accepted = torch.zeros(n, width, dtype=torch.bool, device=logits.device)
@@ -111,6 +110,13 @@ class Sampler:
                 break
             accepted |= children
         return picks
+
+    def pick_every_slot(self, logits: torch.Tensor, tree: "DraftTree") -> torch.Tensor:
+        """Sampling, a draw after every slot of a draft tree at its depth's uniform: logits [N, W, V] -> [N, W],
+        in one batched call (``pick_along_tree`` on a GPU; on a path it draws what the walk draws)."""
+        n, width, _ = logits.shape
+        uniform = self.uniforms(n, width, device=logits.device).gather(1, tree.depth)
+        return draw(self.probs(logits).flatten(0, 1), uniform.flatten()).view(n, width)
 
     def accept(self, draft_tokens: torch.Tensor, draft: Proposal | None, logits: torch.Tensor):
         """draft_tokens: [N, k]; logits: [N, k + 1, V] -> (accepted [N], tokens [N, k + 1])"""
