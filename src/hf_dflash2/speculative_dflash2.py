@@ -102,8 +102,9 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     longer than the cumulative sum."""
     cumulative = weights.double().cumsum(-1)  # float64: float32 sums over a 49K vocabulary drop the smallest tokens
     total = cumulative[:, -1]
-    if weights.device.type == "cpu" and not bool((total > 0).all() and total.isfinite().all()):  # free off a GPU
-        row = int((~((total > 0) & total.isfinite())).nonzero()[0])
+    drawable = (total > 0) & total.isfinite()
+    if weights.device.type == "cpu" and not bool(drawable.all()):  # a host read: free on a CPU only
+        row = int((~drawable).nonzero()[0])
         raise ValueError(f"no token can be drawn in row {row}: its sampling weights sum to {float(total[row])} "
                          "(every token's probability is 0 or NaN; a logits processor may have removed every token)")
     at = (uniform.double() * total)[:, None]
