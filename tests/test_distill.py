@@ -24,6 +24,7 @@ from hf_dflash2.training.distill import (
     make_plan,
     parse_budget,
 )
+from hf_dflash2.training.store import FeatureStore
 
 from .conftest import REPO, tiny_target
 from .test_hub import hub  # noqa: F401  (the Hub stand-in fixture)
@@ -200,6 +201,50 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
     assert late["planned_seconds"] == pytest.approx(3 * 3600, rel=0.01)
 
 
+def test_a_larger_budget_grows_a_finished_store_by_its_share_of_the_new_time(tmp_path):
+    """A finished store stays as built for the same budget and for a slightly larger one; a budget larger by
+    enough gives the store its share of the new time (the store marked unbuilt, the trunk planned on from where
+    it is), since more steps over the same sequences memorise them."""
+    from types import SimpleNamespace
+
+    from hf_dflash2.training.distill.plan import STORE_GROWTH_MIN, adopt_plan, plan_for_budget
+    from hf_dflash2.training.distill.recipe import RunState
+
+    rates = {"regen_tokens_per_s": 100.0, "prefill_tokens_per_s": 800.0, "seconds_per_step": 0.5,
+             "greedy_seconds_per_token": 0.02, "export_seconds": 5.0}
+    recipe = DistillRecipe()
+    state = RunState(tmp_path)
+    first = make_plan(2 * 3600, 0, rates, recipe)
+    store = SimpleNamespace(num_tokens=first["store_tokens"])
+    state.data.update(plan=first, trunk_step=first["trunk_steps"])
+    for phase in ("store", "trunk", "cool", "export", "evaluate"):
+        state.mark(phase, {"step": first["trunk_steps"]} if phase == "trunk" else True)
+
+    same = plan_for_budget(state, 2 * 3600, 2 * 3600, rates, recipe, store)
+    assert state.done("store") and same["store_tokens"] == store.num_tokens and same["store_seconds"] == 0
+    assert same["trunk_steps"] <= first["trunk_steps"]
+    adopt_plan(state, same, first)
+    assert state.done("trunk")  # nothing left to train: the finished run stays finished
+
+    more = plan_for_budget(state, 3 * 3600, 2 * 3600, rates, recipe, store)
+    assert not state.done("store")  # the store is built on
+    assert more["store_tokens"] >= (1 + STORE_GROWTH_MIN) * store.num_tokens
+    per_token = recipe.regen_share / rates["regen_tokens_per_s"] + 1 / rates["prefill_tokens_per_s"]
+    work = 3600 - more["eval_seconds"] - rates["export_seconds"]
+    assert more["store_seconds"] == pytest.approx(recipe.store_share * work, rel=0.01)
+    assert more["store_tokens"] - store.num_tokens == pytest.approx(recipe.store_share * work / per_token, rel=0.01)
+    assert more["trunk_steps"] > first["trunk_steps"]  # and the rest of the new time trains on
+    adopt_plan(state, more, same)
+    assert not any(state.done(p) for p in ("trunk", "cool", "export", "evaluate"))
+
+    fresh = RunState(tmp_path / "slightly")
+    fresh.data.update(plan=first, trunk_step=first["trunk_steps"])
+    fresh.mark("store", True)
+    slightly = 2 * 3600 + 60  # one minute more: not worth a new store batch
+    kept = plan_for_budget(fresh, slightly, 2 * 3600, rates, recipe, store)
+    assert fresh.done("store") and kept["store_tokens"] == store.num_tokens
+
+
 class _CountingTrainer:
     """Steps, checkpoints and nothing else: what ``train_in_chunks`` drives."""
 
@@ -292,9 +337,12 @@ def test_a_tiny_target_runs_the_whole_pipeline_and_its_head_is_lossless(tmp_path
     if arch == "qwen3":
         server = request.getfixturevalue("hub")
         push = {"push": "someone/tiny-qwen3-dflash2", "endpoint": server.url}
+    # The tiny ShareGPT file holds about 7,700 tokens, which the budget's store share would take whole: the Llama
+    # run's store is held to part of it, so that its continuation below has data to grow its store with.
+    first_store = {"store_tokens": 3000} if arch == "llama" else {}
     started = time.perf_counter()
     state = distill(DistillSettings(output=str(output), target=str(target_dir), budget="25s", sharegpt=str(sharegpt),
-                                    progress=False, recipe=tiny_recipe(), **push))
+                                    progress=False, recipe=tiny_recipe(**first_store), **push))
     seconds = time.perf_counter() - started
     assert seconds < 60, seconds
     assert set(state["done"]) == {"store", "trunk", "cool", "export", "evaluate"} | ({"push"} if push else set())
@@ -335,11 +383,15 @@ def test_a_tiny_target_runs_the_whole_pipeline_and_its_head_is_lossless(tmp_path
         assert "Held-out evaluation" not in files["README.md"].decode()  # the card push_head renders: τ table
         assert "| humaneval |" in files["README.md"].decode() or "| mtbench |" in files["README.md"].decode()
 
-    if arch == "llama":  # a larger budget continues the same run: same store, the trunk goes on, a new cool-down
+    if arch == "llama":  # a larger budget continues the same run: the store grows, the trunk goes on, a new cool-down
+        # (how far the budget alone grows a store is planned in the test of plan_for_budget; here the recipe's
+        # store size, which wins over the rates, is raised with it)
+        before = FeatureStore(output / "store").record_ids
         again = distill(DistillSettings(output=str(output), target=str(target_dir), budget="40s",
-                                        sharegpt=str(sharegpt), progress=False, recipe=tiny_recipe(),
+                                        sharegpt=str(sharegpt), progress=False, recipe=tiny_recipe(store_tokens=6000),
                                         stop_after="export"))
-        assert again["done"]["store"] == state["done"]["store"]
+        assert again["done"]["store"]["tokens"] > state["done"]["store"]["tokens"]
+        assert before < FeatureStore(output / "store").record_ids  # grown: every sequence it had, and more
         assert again["done"]["trunk"]["step"] > state["done"]["trunk"]["step"]
         assert (output / f"cool_{again['done']['trunk']['step']}").is_dir()
         assert again["done"]["export"]["step"] > state["done"]["export"]["step"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ from ..store import (
 )
 from ..trainer import Trainer, TrainingConfig, store_sequences
 from .evaluation import CARD_DATASETS, card_extra, card_results, heldout_evaluation, write_card
-from .plan import Display, format_plan, format_seconds, inner_bars_off, make_plan
+from .plan import Display, adopt_plan, format_plan, format_seconds, inner_bars_off, make_plan, plan_for_budget
 from .recipe import (
     API_ONLY,
     PLAN_FIELDS,
@@ -483,15 +484,19 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
     recipe, output = settings.recipe, Path(settings.output)
     store = open_store(output, name, target, layer_ids, recipe)
     pad = tokenizer.pad_token_id or 0
-    needs_text = "rates" not in state.data or not state.done("store")
-    regen_prompts, exchanges = (training_text(tokenizer, recipe, settings.sharegpt, settings.code_source)
-                                if needs_text else ([], []))
+    @functools.cache
+    def texts() -> tuple[list[dict], list[dict]]:  # read only by a phase that runs the target on data
+        return training_text(tokenizer, recipe, settings.sharegpt, settings.code_source)
 
-    # 2. probe: this machine's rates (one regeneration batch is kept: the run's first)
-    with store_precision(target, precision) if needs_text else contextlib.nullcontext(target) as store_target:
+    with contextlib.ExitStack() as stack:
+        @functools.cache
+        def store_target():  # the store's copy of the target, made once, and only for a phase that needs it
+            return stack.enter_context(store_precision(target, precision))
+
+        # 2. probe: this machine's rates (one regeneration batch is kept: the run's first)
         if "rates" not in state.data:
-            state.data["rates"] = probe_rates(target, store_target, tokenizer, store, layer_ids, regen_prompts,
-                                              exchanges, output, recipe, device, precision, display)
+            state.data["rates"] = probe_rates(target, store_target(), tokenizer, store, layer_ids, *texts(), output,
+                                              recipe, device, precision, display)
             state.data["spent_seconds"] = round(display.spent(), 1)
             state.save()
         rates = state.data["rates"]
@@ -499,19 +504,10 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         # 3. plan: from the rates, for what is left of the budget (kept as long as the budget and plan settings are)
         plan_settings = {"budget": budget, **{k: getattr(recipe, k) for k in PLAN_FIELDS}}
         if state.data.get("plan") is None or state.data.get("plan_settings") != plan_settings:
-            trunk_done = state.data.get("trunk_step", 0)
             old = state.data.get("plan") or {}
-            plan = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens,
-                             store_done=state.done("store"), store_tokens=old.get("store_tokens"),
-                             trunk_done=trunk_done, warmup=old.get("warmup_steps"))
-            state.data.pop("trunk_step_end", None)  # an end fitted to the old budget
-            if state.done("trunk") and plan["trunk_steps"] > state.data["done"]["trunk"]["step"]:
-                state.undo("trunk")  # a larger budget: the trunk goes on, and what follows it is redone
-            if not state.done("trunk") or plan["cool_steps"] != old.get("cool_steps"):
-                state.undo("cool", "export", "evaluate", "push")
-            if any(plan[k] != old.get(k) for k in ("eval_prompts", "eval_max_new_tokens")):
-                state.undo("evaluate", "push")
-            state.data.update(plan=plan, plan_settings=plan_settings)
+            plan = plan_for_budget(state, budget, display.spent(), rates, recipe, store)
+            adopt_plan(state, plan, old)
+            state.data["plan_settings"] = plan_settings
             state.save()
         plan = state.data["plan"]
         display.write(format_plan(plan, rates, name))
@@ -520,24 +516,28 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         if not state.done("store"):
             display.start("store", plan["store_seconds"])
             total = plan["store_tokens"]
+            regen_prompts, exchanges = texts()
 
             def progress(share: float) -> None:  # a kill loses no more than one batch of the budget's account
                 display.update(share)
                 state.data["spent_seconds"] = round(display.spent(), 1)
                 state.save()
 
-            records = regenerate_until(store_target, tokenizer, regen_prompts, output / "regenerated.jsonl",
+            records = regenerate_until(store_target(), tokenizer, regen_prompts, output / "regenerated.jsonl",
                                        plan["regen_tokens"], recipe, device,
                                        on_batch=lambda n: progress(0.8 * n / max(1, total)))
-            prefill(store_target, records, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
+            prefill(store_target(), records, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
             regen_stored = sum(len(r["input_ids"]) for r in records)
             text = sharegpt_records(tokenizer, exchanges, total - regen_stored, recipe.max_length)
-            prefill(store_target, text, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
+            prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
             display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
             # The store took what it took: the training phases are planned again for what is left of the budget.
-            plan = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens, store_done=True,
-                             store_tokens=store.num_tokens, warmup=plan["warmup_steps"])
-            state.data.update(plan=plan, spent_seconds=round(display.spent(), 1))
+            trained = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens,
+                                store_done=True, store_tokens=store.num_tokens,
+                                trunk_done=state.data.get("trunk_step", 0), warmup=plan["warmup_steps"])
+            adopt_plan(state, trained, plan)
+            plan = trained
+            state.data["spent_seconds"] = round(display.spent(), 1)
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
                                  "regenerated_tokens": regen_stored})
             display.write(format_plan(plan, rates, name))

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from .. import regenerate as regenerate_module
 from .. import store as store_module
 from .. import trainer as trainer_module
-from .recipe import DistillRecipe
+from .recipe import DistillRecipe, RunState
 
 
 def format_seconds(seconds: float) -> str:
@@ -77,6 +77,41 @@ def make_plan(budget: float, spent: float, rates: dict, recipe: DistillRecipe, s
         "planned_seconds": round(spent + store_seconds + (trunk - trunk_done + cool) * rates["seconds_per_step"]
                                  + eval_seconds + checks, 1),
     }
+
+
+# A larger budget grows a finished store only by at least this share: each growth costs a regeneration batch, a
+# new plan and a new cool-down, which a few percent more data does not repay.
+STORE_GROWTH_MIN = 0.05
+
+
+def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe, store) -> dict:
+    """The plan for ``budget`` from where the run stands. A run whose store is built keeps it when the budget
+    is what it was planned with; a larger budget gives the store its ``store_share`` of the new time too (a
+    finished store grows by at least ``STORE_GROWTH_MIN``, or not at all), since more steps over the same
+    sequences memorise them. The store grows; the run marks it unbuilt for that (``state.undo("store")``)."""
+    old = state.data.get("plan") or {}
+    common = dict(stored_tokens=store.num_tokens, trunk_done=state.data.get("trunk_step", 0),
+                  warmup=old.get("warmup_steps"))
+    plan = make_plan(budget, spent, rates, recipe, store_done=False, **common)
+    if state.done("store"):
+        if plan["store_tokens"] >= (1 + STORE_GROWTH_MIN) * store.num_tokens:
+            state.undo("store")
+        else:
+            plan = make_plan(budget, spent, rates, recipe, store_done=True, store_tokens=store.num_tokens, **common)
+    return plan
+
+
+def adopt_plan(state: RunState, plan: dict, old: dict) -> None:
+    """Make ``plan`` the run's, undoing the finished phases it changes: a trunk planned past its end goes on,
+    and the cool-down, export, evaluation and push after a changed trunk or cool-down are redone."""
+    state.data.pop("trunk_step_end", None)  # an end fitted to the old plan
+    if state.done("trunk") and plan["trunk_steps"] > state.data["done"]["trunk"]["step"]:
+        state.undo("trunk")
+    if not state.done("trunk") or plan["cool_steps"] != old.get("cool_steps"):
+        state.undo("cool", "export", "evaluate", "push")
+    if any(plan[k] != old.get(k) for k in ("eval_prompts", "eval_max_new_tokens")):
+        state.undo("evaluate", "push")
+    state.data["plan"] = plan
 
 
 def format_plan(plan: dict, rates: dict, name: str) -> str:
