@@ -201,10 +201,11 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
     assert late["planned_seconds"] == pytest.approx(3 * 3600, rel=0.01)
 
 
-def test_a_larger_budget_grows_a_finished_store_by_its_share_of_the_new_time(tmp_path):
-    """A finished store stays as built for the same budget and for a slightly larger one; a budget larger by
-    enough gives the store its share of the new time (the store marked unbuilt, the trunk planned on from where
-    it is), since more steps over the same sequences memorise them."""
+def test_a_larger_budget_grows_a_finished_store_to_what_that_budget_plans(tmp_path):
+    """A finished store stays as built for the same budget, a smaller one, a slightly larger one, and once its
+    data ran out; a budget larger by enough grows it to the store a first call with that budget would plan (the
+    store marked unbuilt, the trunk planned on from where it is), since more steps over the same sequences
+    memorise them. A recipe's explicit store size, raised, grows it too."""
     from types import SimpleNamespace
 
     from hf_dflash2.training.distill.plan import STORE_GROWTH_MIN, adopt_plan, plan_for_budget
@@ -213,36 +214,48 @@ def test_a_larger_budget_grows_a_finished_store_by_its_share_of_the_new_time(tmp
     rates = {"regen_tokens_per_s": 100.0, "prefill_tokens_per_s": 800.0, "seconds_per_step": 0.5,
              "greedy_seconds_per_token": 0.02, "export_seconds": 5.0}
     recipe = DistillRecipe()
-    state = RunState(tmp_path)
     first = make_plan(2 * 3600, 0, rates, recipe)
     store = SimpleNamespace(num_tokens=first["store_tokens"])
-    state.data.update(plan=first, trunk_step=first["trunk_steps"])
-    for phase in ("store", "trunk", "cool", "export", "evaluate"):
-        state.mark(phase, {"step": first["trunk_steps"]} if phase == "trunk" else True)
 
+    def finished(name: str, trunk_step: int = first["trunk_steps"], **built) -> RunState:
+        state = RunState(tmp_path / name)
+        state.data.update(plan=first, trunk_step=trunk_step)
+        state.mark("store", {"tokens": store.num_tokens, **built})
+        state.mark("trunk", {"step": trunk_step})
+        for phase in ("cool", "export", "evaluate"):
+            state.mark(phase, True)
+        return state
+
+    state = finished("run")
     same = plan_for_budget(state, 2 * 3600, 2 * 3600, rates, recipe, store)
     assert state.done("store") and same["store_tokens"] == store.num_tokens and same["store_seconds"] == 0
-    assert same["trunk_steps"] <= first["trunk_steps"]
     adopt_plan(state, same, first)
     assert state.done("trunk")  # nothing left to train: the finished run stays finished
 
     more = plan_for_budget(state, 3 * 3600, 2 * 3600, rates, recipe, store)
-    assert not state.done("store")  # the store is built on
-    assert more["store_tokens"] >= (1 + STORE_GROWTH_MIN) * store.num_tokens
+    assert not state.done("store")  # the store is built on ...
+    wanted = make_plan(3 * 3600, 0, rates, recipe)["store_tokens"]
+    assert more["store_tokens"] == wanted >= (1 + STORE_GROWTH_MIN) * store.num_tokens  # ... to the new budget's
     per_token = recipe.regen_share / rates["regen_tokens_per_s"] + 1 / rates["prefill_tokens_per_s"]
-    work = 3600 - more["eval_seconds"] - rates["export_seconds"]
-    assert more["store_seconds"] == pytest.approx(recipe.store_share * work, rel=0.01)
-    assert more["store_tokens"] - store.num_tokens == pytest.approx(recipe.store_share * work / per_token, rel=0.01)
+    assert more["store_seconds"] == pytest.approx((wanted - store.num_tokens) * per_token, rel=0.01)
+    assert more["store_seconds"] == pytest.approx(recipe.store_share * 3600, rel=0.05)  # its share of the new hour
     assert more["trunk_steps"] > first["trunk_steps"]  # and the rest of the new time trains on
     adopt_plan(state, more, same)
     assert not any(state.done(p) for p in ("trunk", "cool", "export", "evaluate"))
 
-    fresh = RunState(tmp_path / "slightly")
-    fresh.data.update(plan=first, trunk_step=first["trunk_steps"])
-    fresh.mark("store", True)
-    slightly = 2 * 3600 + 60  # one minute more: not worth a new store batch
-    kept = plan_for_budget(fresh, slightly, 2 * 3600, rates, recipe, store)
-    assert fresh.done("store") and kept["store_tokens"] == store.num_tokens
+    for name, budget, spent, kwargs in (
+            ("slightly", 2 * 3600 + 60, 2 * 3600, {}),  # one minute more: not worth a new store batch
+            ("smaller", 3600 + 1800, 3600, {"trunk_step": first["trunk_steps"] // 2}),  # killed mid-trunk
+            ("ran_out", 3 * 3600, 2 * 3600, {"data_ran_out": True})):
+        trunk_step = kwargs.pop("trunk_step", first["trunk_steps"])
+        kept_state = finished(name, trunk_step=trunk_step, **kwargs)
+        kept = plan_for_budget(kept_state, budget, spent, rates, recipe, store)
+        assert kept_state.done("store") and kept["store_tokens"] == store.num_tokens, name
+
+    raised = finished("raised")
+    grown = plan_for_budget(raised, 2 * 3600, 2 * 3600, rates,
+                            DistillRecipe(store_tokens=store.num_tokens + 1000), store)
+    assert not raised.done("store") and grown["store_tokens"] == store.num_tokens + 1000
 
 
 class _CountingTrainer:

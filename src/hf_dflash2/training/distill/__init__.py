@@ -33,9 +33,9 @@ progress display), ``pipeline.py`` (the phases and ``distill``), ``evaluation.py
 Everything lives in ``--output``: ``distill.json`` (what the run is, its rates, plan, finished phases and
 results), ``regenerated.jsonl``, ``store/``, ``trunk/`` and ``cool_<step>/`` (trainer checkpoints) and
 ``head/``. Each phase resumes where it stopped, so a killed run, run again with the same arguments, continues;
-a second call with a larger ``--budget`` continues the same run: the store grows by its share of the new time
-(``plan.plan_for_budget``), the trunk trains on from its checkpoint over the grown store, and a new cool-down,
-export and evaluation follow. Precision (bf16 where this machine is fast at it), threads and
+a second call with a larger ``--budget`` continues the same run: the store grows to what a first call with that
+budget would build (``plan.plan_for_budget``), the trunk trains on from its checkpoint over the grown store, and a
+new cool-down, export and evaluation follow. Precision (bf16 where this machine is fast at it), threads and
 device (a GPU through accelerate's ``Accelerator`` when there is one) are chosen here.
 """
 

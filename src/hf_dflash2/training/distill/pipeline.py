@@ -515,21 +515,26 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         # 4. store: (a) the target's own responses, (b) a prefill over ShareGPT text
         if not state.done("store"):
             display.start("store", plan["store_seconds"])
-            total = plan["store_tokens"]
+            total, regen_path = plan["store_tokens"], output / "regenerated.jsonl"
             regen_prompts, exchanges = texts()
+            # progress over what this call adds: a grown store starts with what it had
+            stored_before = store.num_tokens
+            regenerated_before = sum(len(r["input_ids"]) for r in regenerated_records(regen_path, recipe.max_length))
+            to_add = max(1, total - stored_before)
 
             def progress(share: float) -> None:  # a kill loses no more than one batch of the budget's account
                 display.update(share)
                 state.data["spent_seconds"] = round(display.spent(), 1)
                 state.save()
 
-            records = regenerate_until(store_target(), tokenizer, regen_prompts, output / "regenerated.jsonl",
-                                       plan["regen_tokens"], recipe, device,
-                                       on_batch=lambda n: progress(0.8 * n / max(1, total)))
-            prefill(store_target(), records, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
+            records = regenerate_until(store_target(), tokenizer, regen_prompts, regen_path, plan["regen_tokens"],
+                                       recipe, device,
+                                       on_batch=lambda n: progress(0.8 * (n - regenerated_before) / to_add))
+            prefill(store_target(), records, store, recipe, pad,
+                    on_chunk=lambda n: progress((n - stored_before) / to_add))
             regen_stored = sum(len(r["input_ids"]) for r in records)
             text = sharegpt_records(tokenizer, exchanges, total - regen_stored, recipe.max_length)
-            prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress(n / max(1, total)))
+            prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress((n - stored_before) / to_add))
             display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
             # The store took what it took: the training phases are planned again for what is left of the budget.
             trained = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens,
@@ -539,8 +544,11 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             plan = trained
             state.data["spent_seconds"] = round(display.spent(), 1)
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
-                                 "regenerated_tokens": regen_stored})
+                                 "regenerated_tokens": regen_stored,
+                                 "data_ran_out": store.num_tokens < total})  # then a larger budget cannot grow it
             display.write(format_plan(plan, rates, name))
+    store_target.cache_clear()  # the store's bf16 copy of the target and the texts: not needed for training
+    texts.cache_clear()
     if settings.stop_after == "store":
         return state.data
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -85,20 +86,30 @@ STORE_GROWTH_MIN = 0.05
 
 
 def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe, store) -> dict:
-    """The plan for ``budget`` from where the run stands. A run whose store is built keeps it when the budget
-    is what it was planned with; a larger budget gives the store its ``store_share`` of the new time too (a
-    finished store grows by at least ``STORE_GROWTH_MIN``, or not at all), since more steps over the same
-    sequences memorise them. The store grows; the run marks it unbuilt for that (``state.undo("store")``)."""
+    """The plan for ``budget`` from where the run stands (``spent`` seconds used, ``store`` as built so far).
+
+    An unfinished store is planned its ``store_share`` of the time left. A finished store is kept, unless the
+    budget is larger than the one it was built for: then it grows to the store a first call with this budget
+    would plan (when that adds at least ``STORE_GROWTH_MIN``, and the data did not run out last time), since
+    more steps over the same sequences memorise them; the rest of the new time trains on. A store that grows
+    is marked unbuilt (``state.undo("store")``)."""
     old = state.data.get("plan") or {}
     common = dict(stored_tokens=store.num_tokens, trunk_done=state.data.get("trunk_step", 0),
                   warmup=old.get("warmup_steps"))
-    plan = make_plan(budget, spent, rates, recipe, store_done=False, **common)
-    if state.done("store"):
-        if plan["store_tokens"] >= (1 + STORE_GROWTH_MIN) * store.num_tokens:
+    if not state.done("store"):
+        return make_plan(budget, spent, rates, recipe, store_done=False, **common)
+    built = state.data["done"]["store"]
+    larger = budget > old.get("budget_seconds", budget)
+    data_left = not (isinstance(built, dict) and built.get("data_ran_out"))
+    if recipe.store_tokens is None and larger and data_left:
+        wanted = make_plan(budget, 0.0, rates, recipe)["store_tokens"]  # what a first call with this budget builds
+        if wanted >= (1 + STORE_GROWTH_MIN) * store.num_tokens:
             state.undo("store")
-        else:
-            plan = make_plan(budget, spent, rates, recipe, store_done=True, store_tokens=store.num_tokens, **common)
-    return plan
+            return make_plan(budget, spent, rates, replace(recipe, store_tokens=wanted), store_done=False, **common)
+    if recipe.store_tokens is not None and recipe.store_tokens > store.num_tokens and data_left:
+        state.undo("store")  # a recipe's explicit store size, raised
+        return make_plan(budget, spent, rates, recipe, store_done=False, **common)
+    return make_plan(budget, spent, rates, recipe, store_done=True, store_tokens=store.num_tokens, **common)
 
 
 def adopt_plan(state: RunState, plan: dict, old: dict) -> None:
