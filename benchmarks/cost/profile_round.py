@@ -109,7 +109,7 @@ def against_bound(args) -> None:
     from hf_dflash2.assets import load_prompt_set
     from hf_dflash2.prompts import default_head, load_head
 
-    target, tokenizer = load_target()
+    target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     head = load_head(args.head or default_head(), target)
     rows = []
     for index, prompt in enumerate(load_prompt_set(args.bound, args.limit)):
@@ -153,11 +153,13 @@ def against_bound(args) -> None:
         print(row, flush=True)
     decoding = f"sampled at T = {args.temperature:g}" if args.temperature > 0 else "greedy"
     header = (f"The default loop against its bound: SmolLM2-135M-Instruct, the committed head, {args.bound} "
-              f"(first {args.limit}), {args.new_tokens} new tokens, {decoding}, {torch.get_num_threads()} threads. "
-              "ms_per_round: wall clock without the profiler; modeled: the cost model's draft and verify seconds "
+              f"(first {args.limit}), {args.new_tokens} new tokens, {decoding}, {args.dtype}, "
+              f"{torch.get_num_threads()} threads. "
+              "ms_per_round: the whole call's wall clock (its prefill included) a round, without the profiler; "
+              "modeled: the cost model's draft and verify seconds "
               "for the forwards the call ran (the bound's arithmetic); the phase columns: under the profiler, "
               "ms per round; outside_forwards: the profiled wall's share not in a draft pass or a verify forward.")
-    suffix = f"_t{args.temperature:g}" if args.temperature > 0 else ""
+    suffix = (f"_t{args.temperature:g}" if args.temperature > 0 else "") + ("_bf16" if args.dtype == "bf16" else "")
     write_results(f"profile_round_bound_{args.bound}{suffix}", header, table(rows, list(rows[0])), {"rows": rows})
 
 
