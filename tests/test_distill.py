@@ -193,6 +193,8 @@ def test_the_plan_splits_the_budget_from_the_measured_rates():
                      trunk_done=plan["trunk_steps"], warmup=plan["warmup_steps"])
     assert more["store_tokens"] == plan["store_tokens"] and more["store_seconds"] == 0
     assert more["trunk_steps"] > plan["trunk_steps"] and more["warmup_steps"] == plan["warmup_steps"]
+    # its cool-down decays the whole trunk: its share is of all the training, the first call's steps included
+    assert more["cool_steps"] == pytest.approx(0.15 * (more["trunk_steps"] + more["cool_steps"]), rel=0.01)
     # A store that ran long: planned again once it is built, training gets what is left, within the budget
     late = make_plan(3 * 3600, 60 + plan["store_seconds"] + 1800, rates, recipe, store_done=True,
                      store_tokens=plan["store_tokens"], warmup=plan["warmup_steps"])

@@ -35,7 +35,8 @@ def make_plan(budget: float, spent: float, rates: dict, recipe: DistillRecipe, s
 
     The evaluation takes what its prompts cost (at most ``eval_share`` of the budget, fewer prompts when
     needed), the store ``store_share`` of the rest (unless it is built already), training the remainder:
-    ``cool_share`` of its steps cool down, the others extend the trunk. The recipe's explicit
+    ``cool_share`` of all the training steps (a continued run's done trunk steps included) cool down, the
+    others extend the trunk. The recipe's explicit
     ``store_tokens`` / ``trunk_steps`` / ``cool_steps`` win over the rates."""
     left = max(0.0, budget - spent)
     prompts = recipe.eval_prompts
@@ -53,7 +54,10 @@ def make_plan(budget: float, spent: float, rates: dict, recipe: DistillRecipe, s
         store_seconds = max(0, quota - stored_tokens) * per_token
     train_seconds = max(0.0, work - store_seconds)
     steps = train_seconds / rates["seconds_per_step"]
-    cool = recipe.cool_steps or max(recipe.min_cool_steps, int(round(steps * recipe.cool_share)))
+    # The cool-down decays the whole trunk, a continued run's earlier steps included: its share is of all the
+    # training, taken from this call's steps.
+    cool = recipe.cool_steps or max(recipe.min_cool_steps,
+                                    min(int(steps), int(round((trunk_done + steps) * recipe.cool_share))))
     trunk = recipe.trunk_steps or max(recipe.min_trunk_steps, trunk_done + int(steps - cool))
     trunk = max(trunk, trunk_done)
     if warmup is None:
