@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -493,3 +495,84 @@ def test_the_drafters_context_is_projected_once_when_a_draft_reads_it():
     context.crop(3)  # a crop of projected slots, then new ones: only the new ones are projected
     context.append(rounds[0][:, :2], torch.arange(7, 9).expand(2, -1))
     assert context.kv[0][0].shape[2] == 9 and calls == [position, 2]
+
+
+def test_ngram_rounds_are_timed_apart_from_the_rounds_the_head_drafted():
+    """A round the head drafted may run far over the cost model while n-gram rounds run as predicted. Pooled,
+    the one ratio called n-gram rounds dear; apart, a sure n-gram match is still verified."""
+    cost = CostModel([1.0, 1.2, 1.4, 1.6, 1.8], 0.2)
+    clock = FakeClock()
+    policy = AdaptiveVerifyPolicy(cost, clock=clock, prior_strength=1e-6, pooled_prior=1e6, prior_ratio=1.0,
+                                  probe_overhead=1.0).start(5)
+    kinds = ["step"] * 4 + ["draft", "ngram"] * 6
+    for kind in ["step"] + kinds:  # the first round is not timed
+        policy.wants_draft()
+        if kind == "step":
+            clock.now += 1.0
+            continue
+        policy._head_drafted, policy._paid = kind == "draft", torch.tensor(True)
+        policy.chosen(1)
+        clock.now += 3.0 * (1.2 + 0.2) if kind == "draft" else 1.2  # three times the prediction, or as predicted
+    policy.wants_draft()
+    assert policy.cost_ratio("draft") > 2.5  # each kind's median, shrunk a little towards all rounds'
+    assert policy.cost_ratio("ngram") < 1.1
+    pooled = statistics.median([*policy.timed["draft"], *policy.timed["ngram"]])
+    # one row, an n-gram match as sure as the head's calibration makes it: 0.5 a token, 1.5 tokens for 1.2 steps
+    match = torch.tensor([[0.5, 0.0, 0.0, 0.0]])
+    assert 1.5 / (1.2 * pooled) < 1.0 < 1.5 / 1.2 / (1 + policy.pay_margin)
+    assert int(policy.choose(match, torch.tensor([1]), drafted=False)) == 1
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.05])
+def test_near_break_even_drafts_go_to_the_plain_step(margin):
+    """An n-gram round expected to commit 3 % faster than plain steps is verified only without a margin."""
+    cost = CostModel([1.0, 1.2, 1.4, 1.6, 1.8], 0.2)
+    policy = AdaptiveVerifyPolicy(cost, clock=None, prior_strength=1e-6, pooled_prior=1e6, prior_ratio=1.0,
+                                  pay_margin=margin).start(5)
+    match = torch.tensor([[0.236, 0.0, 0.0, 0.0]])  # 1.236 tokens for 1.2 steps: 1.03 times a plain step's rate
+    k = int(policy.choose(match, torch.tensor([1]), drafted=False))
+    assert k == (1 if margin == 0.0 else 0)
+
+
+def test_the_ngram_lookup_backs_off_while_matches_alone_do_not_pay():
+    cost = CostModel([1.0, 1.2, 1.4, 1.6, 1.8], 0.2)
+    policy = AdaptiveVerifyPolicy(cost, clock=None, ngram_backoff=4).start(5)
+
+    def ngram_round(paid):
+        policy._head_drafted, policy._paid = False, torch.tensor(paid)
+        policy.chosen(1 if paid else 0)
+
+    assert policy.wants_ngram()
+    gaps = []
+    for _ in range(4):
+        ngram_round(False)
+        skipped = 0
+        while not policy.wants_ngram():
+            skipped += 1
+        gaps.append(skipped)
+    assert gaps == [1, 2, 4, 4]  # doubling, capped at ngram_backoff
+    ngram_round(True)
+    assert policy.wants_ngram()  # a match that paid resets it
+
+
+def test_rounds_without_a_draft_pass_look_up_ngrams_only_when_the_policy_may_verify_one(monkeypatch):
+    import hf_dflash2.speculative_dflash2 as speculative
+
+    class NeverNgram(AdaptiveVerifyPolicy):
+        def wants_draft(self):
+            return False
+
+        def wants_ngram(self):
+            return False
+
+    lookups = []
+    original = speculative.ngram_draft
+    monkeypatch.setattr(speculative, "ngram_draft", lambda *a, **k: lookups.append(1) or original(*a, **k))
+    target = tiny_target(vocab_size=64)
+    drafter = tiny_drafter(target, block_size=5)
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
+    out = speculative_generate(target, drafter, ids, max_new_tokens=12, verify_policy=NeverNgram(cost, clock=None))
+    assert torch.equal(out.sequences, plain(target, ids, 12)) and not lookups
+    speculative_generate(target, drafter, ids, max_new_tokens=12, cost_model=cost)
+    assert lookups  # the default policy does look up

@@ -1,7 +1,7 @@
 """Does a round that drafts nothing cost what a plain step costs? One prompt (or batch), four methods, interleaved.
 
     python benchmarks/speed/plain_steps.py [--prompt 0] [--set mtbench] [--temperature 0] [--tokens 128]
-    python benchmarks/speed/plain_steps.py --batch-size 8 --set humaneval
+    python benchmarks/speed/plain_steps.py --batch-size 8 --set humaneval [--dtype bf16]
 
 Plain ``generate`` on both linear kernels (``ar``: as loaded, ``ar_onednn``: oneDNN with packed weights), the
 default loop (``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass,
@@ -32,13 +32,14 @@ parser.add_argument("--temperature", type=float, default=0.0)
 parser.add_argument("--tokens", type=int, default=128, help="new tokens per run")
 parser.add_argument("--repeats", type=int, default=5)
 parser.add_argument("--batch-size", type=int, default=1, help="rows: this many prompts from --prompt on")
+parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the target's and the head's")
 args = parser.parse_args()
 if args.prompt < 0 or args.temperature < 0 or args.tokens < 1 or args.repeats < 1 or args.batch_size < 1:
     parser.error(f"--prompt {args.prompt}, --temperature {args.temperature}, --tokens {args.tokens}, --repeats "
                  f"{args.repeats} and --batch-size {args.batch_size}: the first two must be >= 0, the others >= 1")
 
 torch.set_num_threads(2)
-target, tokenizer = load_target()
+target, tokenizer = load_target(dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
 head = load_head(default_head(), target)
 runner = Runner(target, tokenizer, {"dflash2": head}, args.tokens, args.temperature)
 prompts = load_prompt_set(args.set, args.prompt + args.batch_size)[args.prompt :]

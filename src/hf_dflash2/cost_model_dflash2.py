@@ -22,10 +22,14 @@ The cost model is one measurement, taken once and cached; on a shared CPU one no
 two timed as cheap as a plain step) flips the decision for every later call. So each call also times its own
 rounds, from one ``wants_draft`` to the next (a plain step, or a drafted round of ``k``), as a ratio to
 what the cost model predicts for that round (the call's first round, which pays one-off set-up, is not
-counted). The median ratios of the last rounds of each kind, each shrunk towards the median of both
-kinds, give ``rho``, the drafted rounds' cost relative to steps' as measured, over the cost model's own
-view; a drafted round then costs ``rho * (verify(k + 1) + draft)``, never less than ``verify(1) + draft``
-(threads that wait on a shared CPU can make a plain step time slower than a drafted round). A round's
+counted). The median ratios of the last rounds of each kind (plain steps, rounds the head drafted, rounds
+that verified n-gram drafts without a draft pass), each shrunk towards the median of all, give ``rho`` per
+kind, that kind's cost relative to steps' as measured, over the cost model's own view; a drafted round then
+costs ``rho * (verify(k + 1) + draft)``, never less than ``verify(1) + draft``
+(threads that wait on a shared CPU can make a plain step time slower than a drafted round), and an n-gram
+round ``rho * verify(k + 1)`` with its own ``rho``: a round the head drafted runs further over the cost
+model than an n-gram round, so one pooled median made drafting look cheap and n-gram rounds dear (see
+docs/design.md). A round's
 measured time is what the round really costs: the accept, the bookkeeping and the context append
 included. On CUDA, where the verify runs asynchronously, a round's time partly lands in the next
 round's (the host read waits for both); the kinds come in runs, so the medians hardly move. A call that
@@ -349,7 +353,7 @@ class VerifyPolicy:
     """How many of a round's drafted tokens to verify. One instance serves one generation call.
 
     The loop asks ``wants_draft()`` (host, before drafting: run the head's draft pass?) and, when not,
-    ``wants_ngram()`` (may an n-gram match alone be verified this round?); ``use_ngram(head_confidence,
+    ``wants_ngram()`` (may n-gram matches be looked up and one verified alone this round?); ``use_ngram(head_confidence,
     ngram_size)`` picks each row's source; then ``choose(confidence, source, drafted)`` (a device scalar or
     an int; it rides on the loop's one host read) gives ``k``, told back with ``chosen(k, head_used)``;
     the outcome comes with ``observe(confidence, k, accepted, source)`` (device tensors, no host read).
@@ -455,7 +459,10 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     timing_prior: pseudo-rounds shrinking each kind's median towards the pooled one; explore_every: drafted
     rounds in a row before a plain step is timed; carry_mass: most calibration evidence (sum of predicted
     acceptances) a new call inherits from the previous one (``start(block_size, previous)``); ngram_streak:
-    rounds in a row n-gram drafts may win before the head drafts again to compete.
+    rounds in a row n-gram drafts may win before the head drafts again to compete; pay_margin: how much faster
+    than plain steps a round must be expected to commit tokens before its drafts count as paying (a draft pass
+    is made, n-gram drafts are verified, the back-off is reset); ngram_backoff: most rounds without an n-gram
+    lookup after n-gram matches alone did not pay (1, 2, 4, ... rounds while they keep failing).
     """
 
     plans_trees = True
@@ -463,12 +470,14 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     def __init__(self, cost: CostModel, prior_strength: float = 2.0, pooled_prior: float = 1.0, max_skip: int = 32,
                  probe_overhead: float = 0.03, prior_ratio: float = 0.5,
                  clock: Callable[[], float] | None = time.perf_counter, timing_window: int = 32,
-                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0, ngram_streak: int = 4):
+                 timing_prior: float = 0.5, explore_every: int = 16, carry_mass: float = 8.0, ngram_streak: int = 4,
+                 pay_margin: float = 0.05, ngram_backoff: int = 8):
         self.cost, self.prior_strength, self.pooled_prior, self.max_skip = cost, prior_strength, pooled_prior, max_skip
         self.prior_ratio = prior_ratio
         self.min_skip = max(1, math.ceil(cost.draft_seconds / cost.verify(1) / probe_overhead))
         self.clock, self.timing_window, self.timing_prior = clock, timing_window, timing_prior
         self.explore_every, self.carry_mass, self.ngram_streak = explore_every, carry_mass, ngram_streak
+        self.pay_margin, self.ngram_backoff = pay_margin, ngram_backoff
 
     def start(self, block_size: int, previous: "AdaptiveVerifyPolicy | None" = None) -> "AdaptiveVerifyPolicy":
         if block_size > self.cost.block_size:
@@ -479,8 +488,10 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         self.skip, self.to_skip, self._paid = 0, 0, False
         self._exploring, self._head_drafted = False, True  # this round: a timed plain step; the head drafted
         self._ngram_streak = 0  # rounds in a row that n-gram drafts won
-        # measured / predicted seconds of the call's recent rounds: plain steps, drafted rounds
-        self.timed = {"step": deque(maxlen=self.timing_window), "draft": deque(maxlen=self.timing_window)}
+        self._ngram_skip, self._ngram_to_skip = 0, 0  # the n-gram lookup's back-off, as the head's
+        # measured / predicted seconds of the call's recent rounds: plain steps, rounds the head drafted, rounds
+        # that verified n-gram drafts without a draft pass
+        self.timed = {kind: deque(maxlen=self.timing_window) for kind in ("step", "draft", "ngram")}
         self._round, self._round_started, self._rounds_timed, self._drafted_in_a_row = None, None, 0, 0
         if previous is not None and previous.block_size == block_size and previous.cost is self.cost:
             if previous.predicted is not None:
@@ -506,15 +517,14 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
                 predicted = self.cost.verify(1) if kind == "step" else self.cost.verify(k + 1)
                 if kind == "draft":
                     predicted += self.cost.draft_seconds
-                # rounds that verified n-gram drafts without a draft pass are timed with the drafted ones
-                self.timed["step" if kind == "step" else "draft"].append((now - self._round_started) / predicted)
+                self.timed[kind].append((now - self._round_started) / predicted)
         self._round, self._round_started = None, now
 
-    @property
-    def measured_cost_ratio(self) -> float:
-        """``rho``: a drafted round's cost over a plain step's, as measured in this call, relative to the
-        cost model's prediction (1.0 until rounds are timed)."""
-        pooled = [*self.timed["step"], *self.timed["draft"]]
+    def cost_ratio(self, kind: str = "draft") -> float:
+        """``rho``: a round of ``kind`` ("draft": the head drafted; "ngram": n-gram drafts without a draft pass)
+        over a plain step, as measured in this call, relative to the cost model's prediction (1.0 until rounds
+        are timed)."""
+        pooled = [value for values in self.timed.values() for value in values]
         if not pooled:
             return 1.0
         overall = statistics.median(pooled)
@@ -524,7 +534,12 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
             median = statistics.median(self.timed[kind]) if n else overall
             return (n * median + self.timing_prior * overall) / (n + self.timing_prior)
 
-        return scale("draft") / scale("step")
+        return scale(kind) / scale("step")
+
+    @property
+    def measured_cost_ratio(self) -> float:
+        """``rho`` of the rounds the head drafted (``cost_ratio("draft")``)."""
+        return self.cost_ratio("draft")
 
     def wants_draft(self) -> bool:
         self._time_last_round()
@@ -543,7 +558,15 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         return not 0 < self._ngram_streak < self.ngram_streak
 
     def wants_ngram(self) -> bool:
-        return not self._exploring and not self.out_of_room
+        """On a round without a draft pass: whether to look up n-gram matches that may be verified alone.
+        After such matches did not pay, the lookup itself is skipped for a while: on text that does not
+        repeat it is the one cost a plain round adds to ``generate``'s step."""
+        if self._exploring or self.out_of_room:
+            return False
+        if self._ngram_to_skip > 0:
+            self._ngram_to_skip -= 1
+            return False
+        return True
 
     def _ratio(self, like: torch.Tensor) -> torch.Tensor:
         """[sources, S] calibration ratios: row 0 the head, row n an n-gram match of n tokens, row
@@ -626,12 +649,15 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         # The call's own round times (rho) scale the drafted rounds, and also what each extra verified token
         # costs when the draft is already spent, so the cache's verify curve does not decide k alone.
         # N-gram drafts without a draft pass cost their verify only, and are checked only when they pay.
-        rho = self.measured_cost_ratio
+        # "Pay" means beating plain steps by ``pay_margin``: a round near break-even gains nothing when right
+        # and loses when its estimate is off (the calibration, the costs and the timings are all noisy), so
+        # near-ties go to the plain step, which is never slower than ``generate``'s.
+        rho = self.cost_ratio("draft" if drafted else "ngram")
         draft_seconds = self.cost.draft_seconds if drafted else 0.0
         drafted_cost = ((self._verify_cost + draft_seconds) * rho).clamp(min=self._step_cost + draft_seconds)
         rate = torch.where((size > 0) & fits, expected / drafted_cost[size], 0.0)
         best_rate = rate.argmax()
-        self._paid = rate[best_rate] > rows / self._step_cost
+        self._paid = rate[best_rate] > (1.0 + self.pay_margin) * rows / self._step_cost
         if not drafted:
             return torch.where(self._paid, best_rate, 0)
         extra_verify = (self._verify_cost - self._step_cost) * rho / self._step_cost  # >= 0: costs are monotone
@@ -649,6 +675,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
                 self._drafted_in_a_row += 1
             if not budget_bound:
                 self._ngram_streak = self._ngram_streak + 1 if paid else 0
+                self._ngram_skip = 0 if paid else min(max(1, 2 * self._ngram_skip), self.ngram_backoff)
+                self._ngram_to_skip = self._ngram_skip
             return
         self._round = ("draft", k)
         self._drafted_in_a_row += 1

@@ -321,12 +321,14 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     weighs the sources as they are. ``draft_logits_processor``: see ``DFlash2DraftModel.draft_block`` (pass
     one only to a head that takes it, ``takes_logits_processor``)."""
     vocab = drafter.bound_target.lm_head_weight.shape[0]
+    head_drafts = policy.wants_draft()
     ngram_tokens = ngram_sizes = None
-    if ngram_size:
+    # without a draft pass the lookup is only made when the policy may verify a match alone
+    if ngram_size and (head_drafts or policy.wants_ngram()):
         with record_function("dflash2::ngram"):
             ngram_tokens, ngram_sizes = ngram_draft(history, length, block_size - 1, ngram_size)
     draft = nodes = None
-    if policy.wants_draft():
+    if head_drafts:
         with record_function("dflash2::draft"):
             hook = {} if draft_logits_processor is None else {"logits_processor": draft_logits_processor}
             draft = drafter.draft_block(anchor, anchor_pos, context.kv, context.valid, context.positions,
@@ -335,7 +337,7 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
                 nodes = rank_nodes(draft)
         if draft.tokens.shape[1] < block_size - 1:  # the round is wider than the head's own block
             draft = _padded(draft, block_size - 1, anchor, vocab)
-    elif ngram_tokens is None or not policy.wants_ngram():
+    elif ngram_tokens is None:
         return None, False
     if draft is not None and rank_nodes is not None:
         proposal = make_proposal(draft, None, None, None, anchor, vocab)  # the head's draft as it is
