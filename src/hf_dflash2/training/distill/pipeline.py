@@ -44,7 +44,15 @@ from ..store import (
 )
 from ..trainer import Trainer, TrainingConfig, store_sequences
 from .evaluation import CARD_DATASETS, card_extra, card_results, heldout_evaluation, write_card
-from .plan import Display, adopt_plan, format_plan, format_seconds, inner_bars_off, make_plan, plan_for_budget
+from .plan import (
+    Display,
+    adopt_plan,
+    format_plan,
+    format_seconds,
+    inner_bars_off,
+    plan_for_budget,
+    plan_on_built_store,
+)
 from .recipe import (
     API_ONLY,
     PLAN_FIELDS,
@@ -537,9 +545,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress((n - stored_before) / to_add))
             display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
             # The store took what it took: the training phases are planned again for what is left of the budget.
-            trained = make_plan(budget, display.spent(), rates, recipe, stored_tokens=store.num_tokens,
-                                store_done=True, store_tokens=store.num_tokens,
-                                trunk_done=state.data.get("trunk_step", 0), warmup=plan["warmup_steps"])
+            trained = plan_on_built_store(state, budget, display.spent(), rates, recipe, store)
             adopt_plan(state, trained, plan)
             plan = trained
             state.data["spent_seconds"] = round(display.spent(), 1)

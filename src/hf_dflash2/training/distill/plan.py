@@ -113,7 +113,16 @@ def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, r
     if recipe.store_tokens is not None and recipe.store_tokens > store.num_tokens and data_left:
         state.undo("store")  # a recipe's explicit store size, raised
         return make_plan(budget, spent, rates, recipe, store_done=False, **common)
-    return make_plan(budget, spent, rates, recipe, store_done=True, store_tokens=store.num_tokens, **common)
+    return plan_on_built_store(state, budget, spent, rates, recipe, store)
+
+
+def plan_on_built_store(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe,
+                        store) -> dict:
+    """The plan that keeps ``store`` as it is: what is left of ``budget`` goes to the training phases, from the
+    trunk's done steps on."""
+    warmup = (state.data.get("plan") or {}).get("warmup_steps")
+    return make_plan(budget, spent, rates, recipe, stored_tokens=store.num_tokens, store_done=True,
+                     store_tokens=store.num_tokens, trunk_done=state.data.get("trunk_step", 0), warmup=warmup)
 
 
 def adopt_plan(state: RunState, plan: dict, old: dict) -> None:
