@@ -552,7 +552,15 @@ def test_the_ngram_lookup_backs_off_while_matches_alone_do_not_pay():
         gaps.append(skipped)
     assert gaps == [1, 2, 4, 4]  # doubling, capped at ngram_backoff
     ngram_round(True)
-    assert policy.wants_ngram()  # a match that paid resets it
+    ngram_round(False)
+    assert [policy.wants_ngram() for _ in range(2)] == [False, True]  # a match that paid reset it: 1, not 4
+    # An n-gram that wins a round the head drafted ends a pending lookup back-off: the next rounds skip the draft
+    # pass for the n-gram (ngram_streak), so they must look it up.
+    for _ in range(3):
+        ngram_round(False)
+    policy._head_drafted, policy._paid = True, torch.tensor(True)
+    policy.chosen(2, head_used=False)
+    assert not policy.wants_draft() and policy.wants_ngram()
 
 
 def test_rounds_without_a_draft_pass_look_up_ngrams_only_when_the_policy_may_verify_one(monkeypatch):
@@ -565,6 +573,10 @@ def test_rounds_without_a_draft_pass_look_up_ngrams_only_when_the_policy_may_ver
         def wants_ngram(self):
             return False
 
+    class NgramOnly(AdaptiveVerifyPolicy):
+        def wants_draft(self):
+            return False
+
     lookups = []
     original = speculative.ngram_draft
     monkeypatch.setattr(speculative, "ngram_draft", lambda *a, **k: lookups.append(1) or original(*a, **k))
@@ -574,5 +586,5 @@ def test_rounds_without_a_draft_pass_look_up_ngrams_only_when_the_policy_may_ver
     cost = CostModel([1.0, 1.1, 1.2, 1.3, 1.4], 0.1)
     out = speculative_generate(target, drafter, ids, max_new_tokens=12, verify_policy=NeverNgram(cost, clock=None))
     assert torch.equal(out.sequences, plain(target, ids, 12)) and not lookups
-    speculative_generate(target, drafter, ids, max_new_tokens=12, cost_model=cost)
-    assert lookups  # the default policy does look up
+    speculative_generate(target, drafter, ids, max_new_tokens=12, verify_policy=NgramOnly(cost, clock=None))
+    assert lookups  # without a draft pass, a policy that may verify a match alone does look up

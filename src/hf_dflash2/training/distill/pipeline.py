@@ -69,6 +69,7 @@ from .recipe import (
     parse_budget,
     run_identity,
     target_layer_ids,
+    text_sources,
 )
 
 logger = logging.getLogger(__name__)
@@ -513,7 +514,12 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
         plan_settings = {"budget": budget, **{k: getattr(recipe, k) for k in PLAN_FIELDS}}
         if state.data.get("plan") is None or state.data.get("plan_settings") != plan_settings:
             old = state.data.get("plan") or {}
-            plan = plan_for_budget(state, budget, display.spent(), rates, recipe, store)
+            sources = text_sources(settings, recipe)
+            plan = plan_for_budget(state, budget, display.spent(), rates, recipe, store, sources)
+            built = state.data.get("done", {}).get("store")
+            if isinstance(built, dict) and built.get("sources") not in (None, sources):
+                display.write(f"the store keeps its size: it was built from other text ({built['sources']}; this "
+                              f"call reads {sources})")
             adopt_plan(state, plan, old)
             state.data["plan_settings"] = plan_settings
             state.save()
@@ -550,7 +556,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             plan = trained
             state.data["spent_seconds"] = round(display.spent(), 1)
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
-                                 "regenerated_tokens": regen_stored,
+                                 "regenerated_tokens": regen_stored, "sources": text_sources(settings, recipe),
                                  "data_ran_out": store.num_tokens < total})  # then a larger budget cannot grow it
             display.write(format_plan(plan, rates, name))
     store_target.cache_clear()  # the store's bf16 copy of the target and the texts: not needed for training

