@@ -569,7 +569,7 @@ class AdaptiveVerifyPolicy(VerifyPolicy):
     def wants_ngram(self) -> bool:
         """On a round without a draft pass: whether to look up n-gram matches that may be verified alone.
         After such matches did not pay, the lookup itself is skipped for a while: on text that does not
-        repeat it is the one cost a plain round adds to ``generate``'s step."""
+        repeat, every plain round would pay for it and get nothing."""
         if self._exploring or self.out_of_room:
             return False
         if self._ngram_to_skip > 0:
