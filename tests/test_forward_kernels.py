@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,7 +11,14 @@ from hf_dflash2 import cost_model_dflash2 as cm
 from hf_dflash2 import kernels_dflash2 as kd
 from hf_dflash2 import speculative_generate, use_linear_kernel
 from hf_dflash2.cost_model_dflash2 import CostModel
-from hf_dflash2.evaluation.bench import fastest_baseline, speed_bound, summarize
+from hf_dflash2.evaluation.bench import (
+    PLAIN_CONFIGURATIONS,
+    Runner,
+    fastest_baseline,
+    plain_configuration,
+    speed_bound,
+    summarize,
+)
 
 from .conftest import tiny_drafter, tiny_target
 from .test_generation import OracleDrafter, plain
@@ -127,6 +136,36 @@ def test_the_baseline_is_the_faster_plain_greedy_configuration():
     assert fastest_baseline(default_faster) == "ar"
     assert summarize(default_faster)["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(2.0)
     assert fastest_baseline(_timings({"dflash2_fast": [1.0]})) is None
+
+    packed_faster = _timings({"ar": [2.0, 2.0], "ar_onednn": [1.5, 1.5], "ar_packed": [1.0, 1.1],
+                              "dflash2_fast": [0.8, 0.8]})
+    assert fastest_baseline(packed_faster) == "ar_packed"  # the attention is no part of the speedup
+    assert summarize(packed_faster)["dflash2_fast"]["speedup_vs_ar"] == pytest.approx(1.05 / 0.8)
+
+
+@needs_onednn
+def test_a_plain_configuration_runs_as_it_says_and_leaves_the_model_as_it_was(kernels_used):
+    target = tiny_target(vocab_size=96, layers=3)  # grouped-query attention: 4 query heads, 2 key/value heads
+    attention, before = target.config._attn_implementation, _forwards(target)
+    ids = torch.randint(2, 96, (2, 7), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: the packed attention then runs with a mask on every forward
+    expected = plain(target, ids, 16, attention_mask=mask)
+    seen = []
+    target.register_forward_pre_hook(lambda module, args: seen.append(module.config._attn_implementation))
+    for method, configuration in PLAIN_CONFIGURATIONS.items():
+        kernels_used.clear()
+        seen.clear()
+        with torch.no_grad(), plain_configuration(target, method, ids.shape[0]):
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+        assert torch.equal(out, expected), method  # fp32: every configuration decodes the same text
+        assert set(seen) == {"packed_gqa_sdpa" if configuration.packed_attention else attention}, method
+        assert ("onednn" in kernels_used) == (configuration.linear_kernel in ("onednn", "auto")), method
+        assert target.config._attn_implementation == attention and _forwards(target) == before, method
+    runner = Runner(target, SimpleNamespace(pad_token_id=0), {}, 4, temperature=0.0)
+    assert runner.supports("ar_packed", 1) is None
+    target.config._attn_implementation = "eager"
+    assert "packed grouped-query attention" in runner.supports("ar_packed", 1)
 
 
 def test_the_bound_counts_the_draft_passes_and_the_chosen_verifies():

@@ -1,12 +1,13 @@
-"""Does a round that drafts nothing cost what a plain step costs? One prompt (or batch), four methods, interleaved.
+"""Does a round that drafts nothing cost what a plain step costs? One prompt (or batch), interleaved.
 
     python benchmarks/speed/plain_steps.py [--prompt 0] [--set mtbench] [--temperature 0] [--tokens 128]
     python benchmarks/speed/plain_steps.py --batch-size 8 --set humaneval [--dtype bf16]
 
-Plain ``generate`` on both linear kernels (``ar``: as loaded, ``ar_onednn``: oneDNN with packed weights), the
+Plain ``generate`` in each baseline configuration (``ar``: as loaded, ``ar_onednn``: oneDNN with packed weights,
+``ar_packed``: the packed grouped-query attention, kernels chosen per forward), the
 default loop (``dflash2_fast``) and the loop forced to plain steps (``ForcedVerifyLengths([0])``: no draft pass,
 one token per round through the loop's verify path), each run once to warm up and then ``--repeats`` times in
-rotation; prints the median milliseconds per token and each one's speedup over the faster plain ``generate``
+rotation; prints the median milliseconds per token and each one's speedup over the fastest plain ``generate``
 (the bench's baseline rule). With ``--batch-size B``, prompts ``--prompt`` .. ``--prompt + B - 1``, left-padded.
 At ``--temperature`` above 0 every method samples, each repeat under its own seed (the same for all), so a
 plain round's sampling is compared with ``generate``'s; sampled texts may end at different lengths, hence the
@@ -81,7 +82,7 @@ for repeat in range(args.repeats):
 
 fastest = fastest_baseline(records)
 baseline = statistics.median(seconds_per_token(records[fastest]))
-print(f"baseline: {fastest}, the faster plain generate here; ms per generated token (a batch step over its rows)")
+print(f"baseline: {fastest}, the fastest plain generate here; ms per generated token (a batch step over its rows)")
 for method, record in records.items():
     values = seconds_per_token(record)
     median = statistics.median(values)

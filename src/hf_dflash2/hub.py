@@ -190,8 +190,8 @@ def _results_section(results: dict | None) -> str:
                      "the head's, verified with the head's likeliest continuations as one draft tree), same run: "
                      + "; ".join(parts) + ".")
     lines.append("Each speedup is over the fastest plain `generate` the machine had for the target in the same dtype "
-                 "(greedy timed on PyTorch's default and on oneDNN linear kernels, the faster one), measured in one "
-                 "process, interleaved.")
+                 "(greedy timed on PyTorch's default and on oneDNN linear kernels, and on the packed grouped-query "
+                 "attention where it applies; the fastest), measured in one process, interleaved.")
     details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
     if details:
         lines.append("Measured with " + ", ".join(details) + ".")

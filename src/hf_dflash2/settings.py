@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 from .assets import TARGET_HELP
 
-BENCH_METHODS = ("ar", "ar_onednn", "dflash2_generate", "dflash2_fast", "dflash2_fast_chains", "dflash2_fast_head",
-                 "dflash2_fixed_block", "dflash1_fast", "prompt_lookup", "native_dflash", "zlab_reference")
+BENCH_METHODS = ("ar", "ar_onednn", "ar_packed", "dflash2_generate", "dflash2_fast", "dflash2_fast_chains",
+                 "dflash2_fast_head", "dflash2_fixed_block", "dflash1_fast", "prompt_lookup", "native_dflash",
+                 "zlab_reference")
 
 
 class InvalidSamplingError(ValueError):

@@ -59,16 +59,20 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     greedy = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     plain_sampling = sampling if sampling["do_sample"] else greedy
-    from ..evaluation.bench import PLAIN_KERNELS, fastest_baseline, onednn_packs, speed_bound
-    from ..kernels_dflash2 import ForwardKernels
+    from ..evaluation.bench import (
+        PLAIN_CONFIGURATIONS,
+        fastest_baseline,
+        plain_configuration,
+        plain_unsupported,
+        speed_bound,
+    )
 
-    # Plain greedy on the target as loaded (PyTorch's default linear kernel) and, where oneDNN can pack it,
-    # with every linear layer on oneDNN: the faster of the two is the baseline of the speedup.
-    plain_kernels = {side: kernel for side, kernel in PLAIN_KERNELS.items()
-                     if kernel is None or onednn_packs(target)}
+    # Plain greedy in every configuration that applies here (as loaded, oneDNN linears, the packed attention):
+    # the fastest is the baseline of the speedup.
+    plain_sides = [side for side in PLAIN_CONFIGURATIONS if plain_unsupported(target, side) is None]
 
-    def plain_generate(kernel, tokens):
-        with ForwardKernels(target, None, 1, 1, kernel):
+    def plain_generate(side, tokens):
+        with plain_configuration(target, side, 1):
             return target.generate(ids, max_new_tokens=tokens, **plain_sampling)
 
     with torch.no_grad():
@@ -76,9 +80,9 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         # in rounds whose order rotates, and the medians count: one run on a shared CPU can be far off.
         result = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, streamer=streamer,
                                       linear_kernel=settings.linear_kernel, **sampling)
-        for kernel in plain_kernels.values():
-            plain_generate(kernel, 4)
-        sides = ["spec", *plain_kernels]
+        for side in plain_sides:
+            plain_generate(side, 4)
+        sides = ["spec", *plain_sides]
         runs = {side: [] for side in sides}
         spec_stats, texts = [], {}
         for repeat in range(settings.repeats):
@@ -90,12 +94,12 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
                     runs[side].append((int(timed.num_generated[0]), time.perf_counter() - started))
                     spec_stats.append(timed.stats.as_dict())
                 else:
-                    texts[side] = plain_generate(plain_kernels[side], max_new_tokens)
+                    texts[side] = plain_generate(side, max_new_tokens)
                     runs[side].append((texts[side].shape[1] - ids.shape[1], time.perf_counter() - started))
     medians = {side: median_run(side_runs) for side, side_runs in runs.items()}
     speed = {side: tokens / seconds for side, (tokens, seconds) in medians.items()}
     baseline = fastest_baseline({side: {"tokens": [tokens], "seconds": [seconds]}
-                                 for side, (tokens, seconds) in medians.items() if side in plain_kernels})
+                                 for side, (tokens, seconds) in medians.items() if side in plain_sides})
     plain = texts["ar"]
     same = torch.equal(result.sequences[0, : plain.shape[1]], plain[0]) and result.sequences.shape[1] == plain.shape[1]
     same = same if not sampling["do_sample"] else None  # sampled runs agree in law, not token for token
@@ -111,7 +115,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         "dflash2_tokens_per_s": speed["spec"],
         "ar_tokens_per_s": speed[baseline],
         "baseline": baseline,
-        "plain_tokens_per_s": {side: speed[side] for side in plain_kernels},
+        "plain_tokens_per_s": {side: speed[side] for side in plain_sides},
         "identical_to_plain_greedy": same,
         "identical_prefix_rate": agree / max(1, plain_count) if same is not None else None,
         "speedup": speed["spec"] / speed[baseline],
@@ -128,8 +132,8 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
     lengths = ", ".join(f"k={k}: {n}" for k, n in enumerate(summary["verify_length_histogram"]) if n)
     plain_lines = "".join(
         f"\nplain generate{' (baseline)' if side == baseline else ''}, "
-        f"{'oneDNN linear kernel' if side == 'ar_onednn' else 'as loaded (default linear kernel)'}: "
-        f"{medians[side][0]} tokens in {medians[side][1]:.2f} s = {speed[side]:.1f} tok/s" for side in plain_kernels)
+        f"{PLAIN_CONFIGURATIONS[side].description}: "
+        f"{medians[side][0]} tokens in {medians[side][1]:.2f} s = {speed[side]:.1f} tok/s" for side in plain_sides)
     bound_line = (f"\nbound tau / (c_d x {bound['drafted_share']:.2f} + v) = {bound['tau']:.2f} / "
                   f"({bound['c_d']:.2f} x {bound['drafted_share']:.2f} + {bound['v']:.2f}) = {bound['bound']:.2f}x; "
                   f"reached {summary['speedup'] / bound['bound']:.0%} of it" if bound else "")
