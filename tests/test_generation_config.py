@@ -8,6 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_dflash2 import speculative_generate
+from hf_dflash2.cost_model_dflash2 import FixedVerifyLength
 from hf_dflash2.generation import PLAIN_GREEDY, resolve_generation_config
 
 from .conftest import tiny_drafter, tiny_target
@@ -200,6 +201,7 @@ def test_transformers_path_stops_at_stop_strings_as_generate_does(smollm2_tokeni
     ids = torch.tensor([[504, 3458, 314, 260, 1345, 28]])
     free = target.generate(ids, max_new_tokens=40, do_sample=False)
     drafter.adaptive_verify = False
+    drafter.verify_policy = policy = RoomRecordingPolicy()
     try:
         for start in (5, 13, 21):
             stop = tokenizer.decode(free[0, ids.shape[1] + start: ids.shape[1] + start + 2])
@@ -211,8 +213,22 @@ def test_transformers_path_stops_at_stop_strings_as_generate_does(smollm2_tokeni
                                       stop_strings=[stop], tokenizer=tokenizer)
             assert torch.equal(out, expected), (start, stop)
             assert oracle.last_speculative_stats.acceptance_length > 1.5
+            # the round the stop cut told the policy its room was the cut, as the budget's end does: the
+            # adaptive policy then leaves its back-off (and the n-gram lookup's) as it was
+            assert any(k == room for k, room in policy.rounds), policy.rounds
+            policy.rounds.clear()
     finally:
-        del drafter.adaptive_verify
+        del drafter.adaptive_verify, drafter.verify_policy
+
+
+class RoomRecordingPolicy(FixedVerifyLength):
+    """Verifies the whole block; records each round's (drafts verified, room the policy was told of)."""
+
+    def __init__(self):
+        self.rounds = []
+
+    def chosen(self, k: int, head_used: bool = True) -> None:
+        self.rounds.append((k, self.room))
 
 
 def test_transformers_path_warns_that_sampled_text_may_run_past_a_stop_string(smollm2_tokenizer):

@@ -172,8 +172,10 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         length = min(int(self.policy.choose(draft.confidence, draft.source, head_drafted)), room, self.max_drafts)
         tokens = draft.tokens[:, :length].to(input_ids.device)
         if self.stop_criteria is not None:
-            length = self._before_stop(torch.cat([input_ids, tokens], dim=1), cur_len, length)
-            tokens = tokens[:, :length]
+            before_stop = self._before_stop(torch.cat([input_ids, tokens], dim=1), cur_len, length)
+            if before_stop < length:  # the text ends there: a cut draft is no failed draft, as at the budget's end
+                self.policy.room = before_stop
+            length, tokens = before_stop, tokens[:, :before_stop]
         self.policy.chosen(length, bool(draft.uses_head))
         if length == 0:
             return input_ids, None

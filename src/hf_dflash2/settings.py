@@ -54,7 +54,8 @@ PRECISION_HELP_DECODE = ("auto: bf16 where a bf16 linear layer at 1 and at 8 row
 
 LINEAR_KERNEL_HELP = ("the speculative loops' linear kernel: auto picks PyTorch's default or oneDNN with packed "
                       "weights per forward, by its width (measured once, cached); or onednn / default for every "
-                      "forward. Plain greedy is timed on both kernels and the faster is the baseline")
+                      "forward. Plain greedy is timed as loaded, on oneDNN and on the packed attention; the fastest is "
+                      "the baseline")
 
 
 def validate_linear_kernel(value: str) -> None:

@@ -50,6 +50,7 @@ from .plan import (
     format_plan,
     format_seconds,
     inner_bars_off,
+    other_store_sources,
     plan_for_budget,
     plan_on_built_store,
 )
@@ -512,13 +513,12 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
 
         # 3. plan: from the rates, for what is left of the budget (kept as long as the budget and plan settings are)
         plan_settings = {"budget": budget, **{k: getattr(recipe, k) for k in PLAN_FIELDS}}
+        sources = text_sources(settings, recipe)
         if state.data.get("plan") is None or state.data.get("plan_settings") != plan_settings:
             old = state.data.get("plan") or {}
-            sources = text_sources(settings, recipe)
             plan = plan_for_budget(state, budget, display.spent(), rates, recipe, store, sources)
-            built = state.data.get("done", {}).get("store")
-            if isinstance(built, dict) and built.get("sources") not in (None, sources):
-                display.write(f"the store keeps its size: it was built from other text ({built['sources']}; this "
+            if (recorded := other_store_sources(state, sources)) is not None:
+                display.write(f"the store keeps its size: it was built from other text ({recorded}; this "
                               f"call reads {sources})")
             adopt_plan(state, plan, old)
             state.data["plan_settings"] = plan_settings
@@ -556,7 +556,7 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             plan = trained
             state.data["spent_seconds"] = round(display.spent(), 1)
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
-                                 "regenerated_tokens": regen_stored, "sources": text_sources(settings, recipe),
+                                 "regenerated_tokens": regen_stored, "sources": sources,
                                  "data_ran_out": store.num_tokens < total})  # then a larger budget cannot grow it
             display.write(format_plan(plan, rates, name))
     store_target.cache_clear()  # the store's bf16 copy of the target and the texts: not needed for training

@@ -107,8 +107,8 @@ def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, r
         return make_plan(budget, spent, rates, recipe, store_done=False, **common)
     built = state.data["done"]["store"]
     larger = budget > old.get("budget_seconds", budget)
-    recorded = built.get("sources") if isinstance(built, dict) else None  # None: built before they were recorded
-    data_left = not (isinstance(built, dict) and built.get("data_ran_out")) and recorded in (None, sources)
+    data_left = (not (isinstance(built, dict) and built.get("data_ran_out"))
+                 and other_store_sources(state, sources) is None)
     if recipe.store_tokens is None and larger and data_left:
         wanted = make_plan(budget, 0.0, rates, recipe)["store_tokens"]  # what a first call with this budget builds
         if wanted >= (1 + STORE_GROWTH_MIN) * store.num_tokens:
@@ -118,6 +118,14 @@ def plan_for_budget(state: RunState, budget: float, spent: float, rates: dict, r
         state.undo("store")  # a recipe's explicit store size, raised
         return make_plan(budget, spent, rates, recipe, store_done=False, **common)
     return plan_on_built_store(state, budget, spent, rates, recipe, store)
+
+
+def other_store_sources(state: RunState, sources: dict | None) -> dict | None:
+    """The text sources the finished store records when they are not ``sources``, else None (also for a store
+    built before sources were recorded, or not finished)."""
+    built = state.data.get("done", {}).get("store")
+    recorded = built.get("sources") if isinstance(built, dict) else None
+    return recorded if recorded not in (None, sources) else None
 
 
 def plan_on_built_store(state: RunState, budget: float, spent: float, rates: dict, recipe: DistillRecipe,
