@@ -60,6 +60,26 @@ def test_summary_speedup_tau_and_card_numbers():
 
     text = _results_section(card)
     assert "| humaneval | 1.50 |" in text and "chosen by the adaptive policy" in text and "humaneval τ 2.33" in text
+    # the card names the plain configurations the report timed, and shows the head's own draft positions only
+    assert card["baselines"] == ["ar"] and "Each speedup is over plain `generate` on PyTorch's default" in text
+    summary["ar_packed"] = {**summary["ar"], "is_baseline": False}
+    from hf_dflash2.evaluation.bench import BASELINE_METHODS
+    from hf_dflash2.hub import BASELINE_NOTES
+
+    assert set(BASELINE_NOTES) == set(BASELINE_METHODS)  # the card can name every plain configuration
+    text = _results_section(card_results(report, "dflash2_fast"), drafts=2)
+    assert "timed on PyTorch's default linear kernel and the packed grouped-query attention; the fastest" in text
+    assert "| 0.90, 0.89 |" in text  # the third position, past a 3-token block's drafts, is left out
+
+
+def test_naming_one_plain_configuration_times_them_all():
+    from hf_dflash2.evaluation.bench import BASELINE_METHODS, with_every_baseline
+
+    assert with_every_baseline(["dflash2_fast", "ar", "prompt_lookup"]) == [
+        "dflash2_fast", *BASELINE_METHODS, "prompt_lookup"]
+    assert with_every_baseline(["ar_packed", "dflash2_fast"]) == [*BASELINE_METHODS, "dflash2_fast"]
+    assert with_every_baseline(["dflash2_fast", "ar_onednn", "ar"]) == ["dflash2_fast", *BASELINE_METHODS]
+    assert with_every_baseline(["dflash2_fast"]) == ["dflash2_fast"]  # no plain run asked for: none added
 
 
 def test_dflash1_head_maps_into_the_native_transformers_path():

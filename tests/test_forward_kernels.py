@@ -161,6 +161,8 @@ def test_a_plain_configuration_runs_as_it_says_and_leaves_the_model_as_it_was(ke
         assert torch.equal(out, expected), method  # fp32: every configuration decodes the same text
         assert set(seen) == {"packed_gqa_sdpa" if configuration.packed_attention else attention}, method
         assert ("onednn" in kernels_used) == (configuration.linear_kernel in ("onednn", "auto")), method
+        # "auto" chose per width: oneDNN for the prefill's 14 rows, the default kernel for a 2-row step
+        assert ("default" in kernels_used) == (configuration.linear_kernel == "auto"), method
         assert target.config._attn_implementation == attention and _forwards(target) == before, method
     runner = Runner(target, SimpleNamespace(pad_token_id=0), {}, 4, temperature=0.0)
     assert runner.supports("ar_packed", 1) is None

@@ -173,7 +173,9 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         tokens = draft.tokens[:, :length].to(input_ids.device)
         if self.stop_criteria is not None:
             before_stop = self._before_stop(torch.cat([input_ids, tokens], dim=1), cur_len, length)
-            if before_stop < length:  # the text ends there: a cut draft is no failed draft, as at the budget's end
+            # The text ends there: the room is the cut, as at the budget's end, so a cut to no drafts leaves the
+            # policy's back-off as it was (a partial cut is judged on what the policy chose).
+            if before_stop < length:
                 self.policy.room = before_stop
             length, tokens = before_stop, tokens[:, :before_stop]
         self.policy.chosen(length, bool(draft.uses_head))

@@ -164,7 +164,12 @@ def _fmt_number(value, digits: int = 2) -> str:
     return str(value)
 
 
-def _results_section(results: dict | None) -> str:
+# What each plain configuration of ``hf-dflash2 bench`` is, for the card's sentence on its baseline.
+BASELINE_NOTES = {"ar": "PyTorch's default linear kernel", "ar_onednn": "oneDNN linear kernels",
+                  "ar_packed": "the packed grouped-query attention"}
+
+
+def _results_section(results: dict | None, drafts: int | None = None) -> str:
     if not results or not results.get("datasets"):
         return "No measured acceptance length yet: run `hf-dflash2 bench` and push again with `--results`."
     rows = [
@@ -174,7 +179,7 @@ def _results_section(results: dict | None) -> str:
     ]
     for name, entry in results["datasets"].items():
         entry = entry if isinstance(entry, dict) else {"tau": entry}
-        per_position = entry.get("per_position_acceptance") or []
+        per_position = (entry.get("per_position_acceptance") or [])[:drafts]  # deeper: n-gram drafts only
         per_position = ", ".join(_fmt_number(p) for p in per_position) if per_position else "–"
         speedup = entry.get("speedup")
         speedup = f"{_fmt_number(speedup)}×" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else "–"
@@ -189,9 +194,11 @@ def _results_section(results: dict | None) -> str:
         lines.append("With `hf_dflash2`'s fast loop as it runs by default (n-gram (prompt lookup) drafts next to "
                      "the head's, verified with the head's likeliest continuations as one draft tree), same run: "
                      + "; ".join(parts) + ".")
+    baselines = [BASELINE_NOTES.get(m, f"`{m}`") for m in results.get("baselines") or ("ar", "ar_onednn")]
     lines.append("Each speedup is over the fastest plain `generate` the machine had for the target in the same dtype "
-                 "(greedy timed on PyTorch's default and on oneDNN linear kernels, and on the packed grouped-query "
-                 "attention where it applies; the fastest), measured in one process, interleaved.")
+                 f"(timed on {', '.join(baselines[:-1])} and {baselines[-1]}; the fastest), measured in one "
+                 "process, interleaved." if len(baselines) > 1 else
+                 "Each speedup is over plain `generate` on " + baselines[0] + ", measured in one process, interleaved.")
     details = [f"{key}: {results[key]}" for key in ("target", "device", "dtype", "temperature", "max_new_tokens") if key in results]
     if details:
         lines.append("Measured with " + ", ".join(details) + ".")
@@ -283,6 +290,7 @@ def card_results(report: dict, method: str) -> dict:
                 for name, methods in report["datasets"].items() if HYBRID_METHOD in methods}
     return {
         "method": method,
+        "baselines": [m for m in first if m in BASELINE_NOTES],  # the plain configurations the report timed
         **({"method_note": METHOD_NOTES[method]} if method in METHOD_NOTES else {}),
         **({"with_ngram_drafts": also} if also else {}),
         "datasets": datasets,
@@ -351,7 +359,7 @@ def render_model_card(
         "target_layer_ids": ", ".join(str(i) for i in dflash.get("target_layer_ids", [])) or "–",
         "num_hidden_layers": config.get("num_hidden_layers", "–"),
         "hidden_size": config.get("hidden_size", "–"),
-        "results_section": _results_section(results),
+        "results_section": _results_section(results, block_size - 1),
         "recipe_section": _recipe_section(head_folder),
         "inputs_code": _inputs_code(head_folder),
         "serving_section": _serving_section(dflash, base if base != "unknown" else "YOUR_TARGET_MODEL", repo_id,

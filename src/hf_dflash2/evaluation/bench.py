@@ -36,8 +36,8 @@ speedup on every single prompt and the worst of them, and the spread of wall tim
 loop also the bound it can reach (``speed_bound``): c_d (a draft pass / a plain step of the baseline), v (the
 verifies it chose / a plain step), tau / (c_d * drafted share + v) over the decoding, and the same over a whole
 call, the baseline's prefill of the prompt included (long prompts spend much of a call there). Greedy runs also report on how many
-prompts the text of a method's median run equals the baseline's, and the speedup over those prompts alone
-(fp32: every text equals it). Output: JSON + Markdown table + PNG chart in ``--output``.
+prompts the text of a method's median run equals that of ``ar`` (the model as loaded), and the speedup over
+those prompts alone (fp32: every text equals it). Output: JSON + Markdown table + PNG chart in ``--output``.
 """
 
 from __future__ import annotations
@@ -321,9 +321,7 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
     heads = {name: load_head(folder, target) for name, folder in heads_paths.items()}
     runner = Runner(target, tokenizer, heads, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                     args.linear_kernel, heads_paths)
-    if "ar" in methods:  # the baseline is the fastest plain configuration: every one is timed with ``ar``
-        methods[methods.index("ar") + 1 : methods.index("ar") + 1] = [
-            m for m in BASELINE_METHODS if m not in methods]
+    methods = with_every_baseline(methods)
     report = {
         "command": command_line,
         "target": offline.hub_id if offline else args.target,
@@ -427,9 +425,19 @@ PLAIN_CONFIGURATIONS = {
     "ar": PlainConfiguration(None, False, "as loaded (PyTorch's default linear kernel, the model's attention)"),
     "ar_onednn": PlainConfiguration("onednn", False, "every linear layer on oneDNN with packed weights"),
     "ar_packed": PlainConfiguration("auto", True, "the packed grouped-query attention, each forward's linear "
-                                                  "kernel chosen for its width"),
+                                                  "kernel chosen for its width (on a CPU)"),
 }
 BASELINE_METHODS = tuple(PLAIN_CONFIGURATIONS)
+
+
+def with_every_baseline(methods: list[str]) -> list[str]:
+    """``methods`` with every plain configuration after the first one listed: the baseline is the fastest of
+    them all, so naming one times them all (none listed: none added)."""
+    first = next((i for i, m in enumerate(methods) if m in BASELINE_METHODS), None)
+    if first is None:
+        return list(methods)
+    rest = [m for m in methods if m not in BASELINE_METHODS]
+    return rest[:first] + list(BASELINE_METHODS) + rest[first:]
 
 
 def onednn_packs(target) -> bool:

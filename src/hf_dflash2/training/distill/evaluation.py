@@ -24,7 +24,7 @@ CARD_METHODS = {"dflash2_fixed_block": "head", "dflash2_fast": "default", "promp
 def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tokens: int, on_prompt=None) -> dict:
     """Per prompt set (HumanEval, MT-Bench), on prompts never trained on, greedy, batch 1, methods interleaved per
     prompt, each run by the bench's ``Runner``: plain greedy ``generate`` on the bench's plain configurations
-    (``BASELINE_METHODS``; the faster on a set is the baseline, ``fastest_baseline``), the head alone
+    (``BASELINE_METHODS``; the fastest on a set is the baseline, ``fastest_baseline``), the head alone
     (``dflash2_fixed_block``: every round verifies its block), ``speculative_generate``'s default loop
     (``dflash2_fast``) and prompt lookup. -> per set: τ, per-position acceptance, tokens/s and speedup over the
     baseline (ratio of the median seconds per token over prompts) under the card's keys (``CARD_METHODS``), and
