@@ -95,10 +95,16 @@ class PackedLinearForward:
                 or _version(module.weight) != self.version or module.weight.device.type != "cpu")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Runs for every linear layer of every forward: each check is the cheapest form of itself (the
+        # parameter dict rather than ``nn.Module.__getattr__``, ``is_cpu`` rather than a device object).
         module = self.module()
-        weight, bias = module.weight, module.bias
-        if (weight.data_ptr() != self.data_ptr or _version(weight) != self.version or x.dtype != self.dtype
-                or x.device.type != "cpu" or weight.device.type != "cpu"
+        params = module._parameters
+        weight = params.get("weight")
+        if weight is None:  # a parametrized or otherwise computed weight: the module says what it is
+            weight = module.weight
+        bias = params["bias"] if "bias" in params else module.bias
+        if (weight.data_ptr() != self.data_ptr or x.dtype != self.dtype or not x.is_cpu or not weight.is_cpu
+                or (None if weight.is_inference() else weight._version) != self.version
                 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))):
             return F.linear(x, weight, bias)
