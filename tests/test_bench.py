@@ -70,6 +70,9 @@ def test_summary_speedup_tau_and_card_numbers():
     text = _results_section(card_results(report, "dflash2_fast"), drafts=2)
     assert "timed on PyTorch's default linear kernel and the packed grouped-query attention; the fastest" in text
     assert "| 0.90, 0.89 |" in text  # the third position, past a 3-token block's drafts, is left out
+    assert "No plain `generate` was timed" in _results_section({**card, "baselines": []})
+    older = {k: v for k, v in card.items() if k != "baselines"}  # a report from before the key: two kernels
+    assert "PyTorch's default linear kernel and oneDNN linear kernels; the fastest" in _results_section(older)
 
 
 def test_naming_one_plain_configuration_times_them_all():

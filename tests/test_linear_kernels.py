@@ -82,6 +82,15 @@ def test_packing_leaves_someone_elses_forward_alone():
     assert not isinstance(hooked.__dict__["forward"], lk.PackedLinearForward)
     assert torch.equal(model[0](torch.ones(1, 4)), torch.zeros(1, 4))
 
+    class Halved(torch.nn.Linear):  # a layer subclass with a forward of its own (a quantised layer, say)
+        def forward(self, x):
+            return super().forward(x) / 2
+
+    model = torch.nn.Sequential(Halved(4, 4), torch.nn.Linear(4, 4))
+    expected = model[0](torch.ones(1, 4))
+    assert lk.pack_linears(model) == 1 and "forward" not in model[0].__dict__
+    assert torch.equal(model[0](torch.ones(1, 4)), expected)
+
 
 def test_auto_packs_only_when_the_probe_says_onednn_is_clearly_faster(caplog):
     target = tiny_target(layers=2)

@@ -112,7 +112,10 @@ class PackedLinearForward:
 
 
 def linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    """The model's linear layers whose forward is ``nn.Linear``'s own: a subclass with a forward of its own
+    (a quantised or adapter layer) computes something else, and is never routed through oneDNN."""
+    return [m for m in model.modules()
+            if isinstance(m, torch.nn.Linear) and type(m).forward is torch.nn.Linear.forward]
 
 
 def pack_linears(model: torch.nn.Module) -> int:

@@ -4,7 +4,7 @@ Methods (a method that cannot run in a configuration is skipped and the reason r
 
 - ``ar``: plain ``generate`` (greedy, or sampling at T > 0), batch 1 or a left-padded batch, on the target as
   loaded (PyTorch's default linear kernel, Transformers' attention); ``ar_onednn`` and ``ar_packed`` (added
-  with ``ar`` where they apply): the same with every linear layer on oneDNN with packed weights, and on this
+  with any of the three, where they apply): the same with every linear layer on oneDNN with packed weights, and on this
   package's packed grouped-query attention with each forward's linear kernel chosen for its width
   (``PLAIN_CONFIGURATIONS``). **The baseline of every speedup is the fastest of them on each prompt set**
   (``fastest_baseline``): the fastest plain ``generate`` this machine has for the target, in the same dtype.

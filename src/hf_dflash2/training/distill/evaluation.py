@@ -62,7 +62,8 @@ def heldout_evaluation(target, tokenizer, head, prompts: list[dict], max_new_tok
         fastest = fastest_baseline({m: entry[m] for m in baselines})
         baseline = statistics.median(seconds_per_token(entry[fastest]))
         as_loaded = statistics.median(seconds_per_token(entry["ar"]))
-        row = {"greedy_tokens_per_s": round(1 / baseline, 2), "baseline": fastest, "prompts": entry["same_text"][1],
+        row = {"greedy_tokens_per_s": round(1 / baseline, 2), "baseline": fastest, "baselines": list(baselines),
+               "prompts": entry["same_text"][1],
                **({"greedy_as_loaded_tokens_per_s": round(1 / as_loaded, 2)} if len(baselines) > 1 else {})}
         for method, key in CARD_METHODS.items():
             record = entry[method]
@@ -81,8 +82,10 @@ def card_results(evaluation: dict, details: dict) -> dict:
     """The model card's results block (``hub.render_model_card``): the head alone as the main method, the
     default loop as ``with_ngram_drafts``."""
     sets = evaluation["sets"]
+    timed = next((row["baselines"] for row in sets.values() if "baselines" in row), None)  # older runs: none
     return {
         "method": "dflash2_fixed_block",
+        **({"baselines": timed} if timed is not None else {}),
         "method_note": METHOD_NOTES["dflash2_fixed_block"] + "; speedup over the fastest plain greedy `generate`",
         "datasets": {name: {"tau": row["head"].get("tau"), "speedup": row["head"]["speedup"],
                             "per_position_acceptance": row["head"].get("per_position_acceptance", [])}
