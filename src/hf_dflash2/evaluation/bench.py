@@ -420,7 +420,7 @@ class PlainConfiguration:
 
 # The plain ``generate`` configurations a speedup is measured against; the fastest on a prompt set wins.
 # ``ar_packed`` is what this package gives plain decoding: its attention is no part of speculation, so a
-# speedup must not count it (at 2K-token contexts it alone makes greedy a third faster in bf16).
+# speedup must not count it (how much it gives plain greedy: docs/benchmarks.md).
 PLAIN_CONFIGURATIONS = {
     "ar": PlainConfiguration(None, False, "as loaded (PyTorch's default linear kernel, the model's attention)"),
     "ar_onednn": PlainConfiguration("onednn", False, "every linear layer on oneDNN with packed weights"),
