@@ -63,10 +63,6 @@ def test_summary_speedup_tau_and_card_numbers():
     # the card names the plain configurations the report timed, and shows the head's own draft positions only
     assert card["baselines"] == ["ar"] and "Each speedup is over plain `generate` on PyTorch's default" in text
     summary["ar_packed"] = {**summary["ar"], "is_baseline": False}
-    from hf_dflash2.evaluation.bench import BASELINE_METHODS
-    from hf_dflash2.hub import BASELINE_NOTES
-
-    assert set(BASELINE_NOTES) == set(BASELINE_METHODS)  # the card can name every plain configuration
     text = _results_section(card_results(report, "dflash2_fast"), drafts=2)
     assert "timed on PyTorch's default linear kernel and the packed grouped-query attention; the fastest" in text
     assert "| 0.90, 0.89 |" in text  # the third position, past a 3-token block's drafts, is left out

@@ -105,6 +105,28 @@ def test_selector_steps_are_weighed_by_the_unary_mass_of_their_candidates():
     torch.testing.assert_close(plain.logp[0].exp(), torch.tensor([0.8, 0.8 * 0.99, 0.2]), rtol=1e-3, atol=1e-4)
 
 
+def test_candidate_mass_from_the_selectors_logits_equals_the_full_computation():
+    """The mass a dFlash 2 draft's K candidates hold, from their own unary logits (one pass over the
+    vocabulary), equals the log of their summed softmax probabilities; also where a processor has masked
+    tokens to -inf, the top candidate's among them at one position."""
+    from hf_dflash2.generation.trees import candidate_log_mass
+    from hf_dflash2.modeling_dflash2 import DraftOutput
+
+    generator = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(2, 3, 300, generator=generator)
+    logits[0, 1, ::2] = -torch.inf
+    logits[1, 2, logits[1, 2].argmax()] = -torch.inf
+    unary, q_ids = logits.topk(16, dim=-1)
+    expected = logits.softmax(-1).gather(-1, q_ids).sum(-1).log()
+    draft = DraftOutput(tokens=q_ids[..., 0], q_ids=q_ids, q_probs=None, logits=logits, hidden=torch.zeros(2, 3, 4))
+    without = candidate_log_mass(draft)
+    draft.candidate_logits = unary
+    with_logits = candidate_log_mass(draft)
+    torch.testing.assert_close(with_logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(without, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(with_logits).all()
+
+
 def random_tree(generator, n, vocab, m, kg, s=4, k=3):
     candidates = torch.randint(0, vocab, (n, s, k), generator=generator)
     logp = torch.randn(n, s, k, k, generator=generator).log_softmax(-1)

@@ -164,9 +164,12 @@ def _fmt_number(value, digits: int = 2) -> str:
     return str(value)
 
 
-# What each plain configuration of ``hf-dflash2 bench`` is, for the card's sentence on its baseline.
-BASELINE_NOTES = {"ar": "PyTorch's default linear kernel", "ar_onednn": "oneDNN linear kernels",
-                  "ar_packed": "the packed grouped-query attention"}
+def baseline_names() -> dict[str, str]:
+    """How a card names each plain configuration of ``hf-dflash2 bench`` (``PLAIN_CONFIGURATIONS``), for its
+    sentence on the baseline."""
+    from .evaluation.bench import PLAIN_CONFIGURATIONS  # imported here: the bench module imports this one
+
+    return {method: configuration.card_name for method, configuration in PLAIN_CONFIGURATIONS.items()}
 
 
 def _results_section(results: dict | None, drafts: int | None = None) -> str:
@@ -195,7 +198,8 @@ def _results_section(results: dict | None, drafts: int | None = None) -> str:
                      "the head's, verified with the head's likeliest continuations as one draft tree), same run: "
                      + "; ".join(parts) + ".")
     # a report from before the key was recorded timed the two linear kernels
-    baselines = [BASELINE_NOTES.get(m, f"`{m}`") for m in results.get("baselines", ("ar", "ar_onednn"))]
+    names = baseline_names()
+    baselines = [names.get(m, f"`{m}`") for m in results.get("baselines", ("ar", "ar_onednn"))]
     if len(baselines) > 1:
         lines.append("Each speedup is over the fastest plain `generate` the machine had for the target in the same "
                      f"dtype (timed on {', '.join(baselines[:-1])} and {baselines[-1]}; the fastest), measured in "
@@ -295,7 +299,7 @@ def card_results(report: dict, method: str) -> dict:
                 for name, methods in report["datasets"].items() if HYBRID_METHOD in methods}
     return {
         "method": method,
-        "baselines": [m for m in first if m in BASELINE_NOTES],  # the plain configurations the report timed
+        "baselines": [m for m in first if m in baseline_names()],  # the plain configurations the report timed
         **({"method_note": METHOD_NOTES[method]} if method in METHOD_NOTES else {}),
         **({"with_ngram_drafts": also} if also else {}),
         "datasets": datasets,

@@ -267,7 +267,8 @@ class SelectorOutput:
 
     tokens: [N, S] chosen token ids; choice: [N, S] index of the chosen candidate;
     candidate_ids: [N, S, K]; q: [N, S, K] proposal distribution over each step's candidates
-    (one-hot at temperature 0); tables: [N, S, K, K] pairwise scores (row = previous choice).
+    (one-hot at temperature 0); tables: [N, S, K, K] pairwise scores (row = previous choice);
+    unary: [N, S, K] the candidates' unary logits, largest first.
     """
 
     tokens: torch.Tensor
@@ -275,6 +276,7 @@ class SelectorOutput:
     candidate_ids: torch.Tensor
     q: torch.Tensor
     tables: torch.Tensor
+    unary: torch.Tensor
 
 
 class DFlash2CandidateSelector(nn.Module):
@@ -339,7 +341,7 @@ class DFlash2CandidateSelector(nn.Module):
             choices.append(choice)
         choice = torch.stack(choices, dim=1)
         tokens = candidate_ids.gather(-1, choice[..., None]).squeeze(-1)
-        return SelectorOutput(tokens, choice, candidate_ids, torch.stack(qs, dim=1), tables)
+        return SelectorOutput(tokens, choice, candidate_ids, torch.stack(qs, dim=1), tables, unary)
 
 
 def _onednn_packed(weight: torch.Tensor, kernel: str | None):
@@ -375,7 +377,8 @@ class DraftOutput:
     DFlash-1 sampling uses K = V); logits: [N, S, V] unary logits; hidden: [N, S, H]; confidence: [N, S]
     the drafter's own estimate that each draft is accepted given the earlier ones (see ``propose``);
     pair_scores: [N, S, K, K] the selector's scores of each candidate given the previous position's
-    (dFlash 2; ranks the continuations a draft tree verifies)."""
+    (dFlash 2; ranks the continuations a draft tree verifies); candidate_logits: [N, S, K] the selector's
+    candidates' unary logits, largest first (dFlash 2)."""
 
     tokens: torch.Tensor
     q_ids: torch.Tensor | None
@@ -384,6 +387,7 @@ class DraftOutput:
     hidden: torch.Tensor
     confidence: torch.Tensor | None = None
     pair_scores: torch.Tensor | None = None
+    candidate_logits: torch.Tensor | None = None
 
 
 def _placement(device) -> str:
@@ -762,7 +766,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                 previous = torch.cat([torch.zeros_like(sel.choice[:, :1]), sel.choice[:, :-1]], dim=1)
                 rows = sel.tables.gather(2, previous[..., None, None].expand(-1, -1, 1, sel.tables.shape[-1]))
                 confidence = rows.squeeze(2).softmax(-1).gather(-1, sel.choice[..., None]).squeeze(-1)
-            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden, confidence, sel.tables)
+            return DraftOutput(sel.tokens, sel.candidate_ids, sel.q, logits, hidden, confidence, sel.tables,
+                               sel.unary)
         ids = torch.arange(logits.shape[-1], device=logits.device) if vocab is None else vocab
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)

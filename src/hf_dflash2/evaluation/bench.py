@@ -416,16 +416,20 @@ class PlainConfiguration:
     linear_kernel: str | None
     packed_attention: bool
     description: str
+    card_name: str  # how a model card names it ("timed on ... and ...")
 
 
 # The plain ``generate`` configurations a speedup is measured against; the fastest on a prompt set wins.
 # ``ar_packed`` is what this package gives plain decoding: its attention is no part of speculation, so a
 # speedup must not count it (how much it gives plain greedy: docs/benchmarks.md).
 PLAIN_CONFIGURATIONS = {
-    "ar": PlainConfiguration(None, False, "as loaded (PyTorch's default linear kernel, the model's attention)"),
-    "ar_onednn": PlainConfiguration("onednn", False, "every linear layer on oneDNN with packed weights"),
+    "ar": PlainConfiguration(None, False, "as loaded (PyTorch's default linear kernel, the model's attention)",
+                             "PyTorch's default linear kernel"),
+    "ar_onednn": PlainConfiguration("onednn", False, "every linear layer on oneDNN with packed weights",
+                                    "oneDNN linear kernels"),
     "ar_packed": PlainConfiguration("auto", True, "the packed grouped-query attention, each forward's linear "
-                                                  "kernel chosen for its width (on a CPU)"),
+                                                  "kernel chosen for its width (on a CPU)",
+                                    "the packed grouped-query attention"),
 }
 BASELINE_METHODS = tuple(PLAIN_CONFIGURATIONS)
 

@@ -102,8 +102,17 @@ def best_first(candidate_ids: torch.Tensor, transition_logp: torch.Tensor, size:
 
 def candidate_log_mass(draft) -> torch.Tensor:
     """[N, S] log of the unary probability a dFlash 2 draft's K selector candidates hold at each position
-    (the selector's softmax is over them only)."""
-    return draft.logits.float().log_softmax(-1).topk(draft.q_ids.shape[-1], dim=-1).values.logsumexp(-1)
+    (the selector's softmax is over them only).
+
+    With the candidates' own logits (``candidate_logits``, largest first), it is the top candidate's log
+    probability plus ``log sum_k exp(u_k - u_1)``: one pass over the vocabulary (a fused ``log_softmax``)
+    instead of a second top-K and a ``logsumexp`` over it, which cost a CPU about three times as much
+    (``benchmarks/cost/round_overhead.py``). Heads saved before that field draft without it."""
+    log_probs = draft.logits.float().log_softmax(-1)
+    top = getattr(draft, "candidate_logits", None)
+    if top is None:
+        return log_probs.topk(draft.q_ids.shape[-1], dim=-1).values.logsumexp(-1)
+    return log_probs.amax(-1) + (top - top[..., :1]).logsumexp(-1)
 
 
 def rank_continuations(drafter, draft, size: int, top_k_mass: bool = True) -> HeadNodes:
