@@ -295,3 +295,29 @@ def test_bench_profile_shows_the_cost_model_the_default_loop_decides_with(monkey
     if onednn_available():
         assert asked[0][3].startswith("per-forward")
     assert target.config._attn_implementation == attention and cm.linear_kernel_of(target) == "default"
+
+
+def test_bench_refuses_an_unwritable_output_or_methods_that_cannot_run_before_any_timing(monkeypatch, tmp_path):
+    """``--output`` naming a file, and ``--methods`` none of which can run at the batch size and temperature
+    asked, are refused by name before the benchmark runs; an earlier report in the folder stays as it was."""
+    from hf_dflash2.cli import main
+    from hf_dflash2.evaluation import bench
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the benchmark ran")
+
+    monkeypatch.setattr(bench, "run_benchmark", reached)
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("keep")
+    with pytest.raises(SystemExit, match=f"--output {a_file} is a file, not a folder"):
+        main(["bench", "--output", str(a_file)])
+    assert a_file.read_text() == "keep"
+    earlier = tmp_path / "results" / "bench_b4_t0.json"
+    earlier.parent.mkdir()
+    earlier.write_text("{}")
+    with pytest.raises(SystemExit, match="none can run at --batch-size 4.*dflash2_generate: Transformers' assisted loop"):
+        main(["bench", "--methods", "dflash2_generate", "--batch-size", "4", "--output", str(earlier.parent)])
+    with pytest.raises(SystemExit, match="prompt_lookup: prompt lookup has no proposal distribution"):
+        main(["bench", "--methods", "prompt_lookup", "--temperature", "0.7", "--output", str(earlier.parent)])
+    assert earlier.read_text() == "{}"
+    assert bench.refused_by_settings("dflash2_fast", 4, True) is None  # the loop runs any batch, sampled too

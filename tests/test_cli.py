@@ -158,7 +158,10 @@ def test_training_command_settings_refuse_bad_values_by_name(settings_class, val
 @pytest.mark.parametrize(
     "values, match",
     [({"budget": "soon"}, "--budget 'soon'"), ({"stop_after": "lunch"}, "--stop-after 'lunch'"),
-     ({"recipe": DistillRecipe(layers=0)}, "layers must be >= 1"), ({"push": "not a/repo/id"}, "--push")],
+     ({"recipe": DistillRecipe(layers=0)}, "layers must be >= 1"), ({"push": "not a/repo/id"}, "--push"),
+     ({"recipe": DistillRecipe(learning_rate=0.0)}, "learning_rate must be a finite number > 0, got 0.0"),
+     ({"recipe": DistillRecipe(learning_rate=float("nan"))}, "learning_rate must be a finite number > 0, got nan"),
+     ({"recipe": DistillRecipe(output_scale=2.0)}, r"output_scale must be in \(0, 1\], got 2.0")],
 )
 def test_distill_settings_refuse_bad_values_when_built(values, match):
     with pytest.raises(DistillError, match=match):

@@ -362,6 +362,51 @@ def test_bad_inputs_get_clear_errors(setup):
         speculative_generate(other, drafter, ids)
 
 
+def test_bad_settings_are_refused_by_value_before_any_timing(setup, monkeypatch):
+    """Settings generate refuses (or that would decode something else than asked) are refused by value, before
+    the call times kernels or measures a cost model: the cost model's builder is made to fail if reached."""
+    target, drafter = setup
+    ids = torch.tensor([[3, 4, 5]])
+    import hf_dflash2.generation.loop as loop
+
+    def reached(*args, **kwargs):
+        raise AssertionError("the call went on to measure a cost model")
+
+    monkeypatch.setattr(loop, "verify_policy_for", reached)
+    sample = dict(do_sample=True, temperature=1.0)
+    cases = [
+        (dict(block_size=0), "block_size must be an integer >= 2 .*got 0"),
+        (dict(max_new_tokens=True), "max_new_tokens must be a non-negative integer, got True"),
+        (dict(top_p=1.5, **sample), "top_p must be a number in \\[0, 1\\].*got 1.5"),
+        (dict(top_p=-0.1, **sample), "top_p must be a number in \\[0, 1\\].*got -0.1"),
+        (dict(top_k=-1, **sample), "top_k must be an integer >= 0.*got -1"),
+        (dict(repetition_penalty=0.0), "penalty. has to be a strictly positive float, but is 0.0"),
+        (dict(verify_policy=[0, 3, 1]), "verify_policy must be a VerifyPolicy.*\\[0, 3, 1\\]"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises((ValueError, TypeError), match=message):
+            speculative_generate(target, drafter, ids, **kwargs)
+    with pytest.raises(ValueError, match="input_ids must hold integer token ids.*float32"):
+        speculative_generate(target, drafter, ids.float())
+    with pytest.raises(ValueError, match=r"input_ids\[0, 1\] = 64 is not a token id of the target's vocabulary of 64"):
+        speculative_generate(target, drafter, torch.tensor([[3, 64, 5]]))
+    with pytest.raises(ValueError, match=r"input_ids\[0, 0\] = -1 is not a token id"):  # padding is embedded too
+        speculative_generate(target, drafter, torch.tensor([[-1, 4, 5]]), attention_mask=torch.tensor([[0, 1, 1]]))
+
+
+def test_top_p_zero_keeps_the_likeliest_token_as_generate():
+    """generate's top-p at 0 keeps only the likeliest token; so does the loop's filter, on both of its paths
+    (the top-256 search and the full sort)."""
+    from hf_dflash2.speculative_dflash2 import process_logits
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0))
+    kept = process_logits(logits, top_p=0.0).isfinite()
+    assert kept.sum(-1).tolist() == [1, 1, 1]
+    assert torch.equal(kept.float().argmax(-1), logits.argmax(-1))
+    small = logits[:, :100]  # under 256 tokens: the sorted path
+    assert process_logits(small, top_p=0.0).isfinite().sum(-1).tolist() == [1, 1, 1]
+
+
 def test_generate_without_our_assistant_is_untouched(setup):
     """The hook changes nothing for other assistants or for no assistant."""
     target, _ = setup
@@ -471,3 +516,19 @@ def test_speculative_sampling_keeps_the_law_at_every_position_of_a_block():
     joint = torch.bincount(out[:, 0] * 16 + out[:, 1] * 4 + out[:, 2], minlength=64).float() / n
     exact = (p[0][:, None, None] * p[1][None, :, None] * p[2][None, None, :]).flatten()
     assert float(0.5 * (joint - exact).abs().sum()) < 0.015
+
+
+def test_custom_generate_refuses_what_the_assisted_loop_cannot_run_before_loading_the_head(monkeypatch):
+    """More than one row, beams and several sequences per prompt are refused by value before the head folder
+    (maybe a Hub download) is read."""
+    from hf_dflash2 import custom_generate_dflash2
+
+    target = tiny_target(vocab_size=64)
+    monkeypatch.setattr(custom_generate_dflash2, "load_drafter", lambda *a: pytest.fail("the head was loaded"))
+    ids = torch.tensor([[3, 4], [5, 6]])
+    with pytest.raises(ValueError, match="batch size 1 \\(got 2 rows\\)"):
+        custom_generate_dflash2.generate(target, ids, max_new_tokens=4)
+    with pytest.raises(ValueError, match="num_beams=4 is not supported"):
+        custom_generate_dflash2.generate(target, input_ids=ids[:1], num_beams=4)
+    with pytest.raises(ValueError, match="num_return_sequences=2 is not supported"):
+        custom_generate_dflash2.generate(target, ids[:1], num_return_sequences=2, do_sample=True)

@@ -202,3 +202,24 @@ def test_phases_run_in_order_and_a_forked_cooldown_equals_a_run_planned_to_its_l
     # Again: every phase resumes where it ended (no step is added, the trunk is not forked anew).
     assert main(["train", "--config", str(recipe)]) == 0
     assert state("phased/trunk")["step"] == 5 and state("phased/cooldown")["step"] == 8
+
+
+def test_train_refuses_settings_that_would_only_fail_or_save_an_untrained_head_later(tmp_path, monkeypatch):
+    """A run that would stop before its first step, evaluations of no tokens, and a missing --init-from are
+    refused by name before the target loads."""
+    from hf_dflash2 import assets
+
+    monkeypatch.setattr(assets, "load_target", lambda *a, **k: pytest.fail("the target loaded"))
+    store = tmp_path / "store"
+    store.mkdir()
+    base = ["train", "--store", str(store), "--output", str(tmp_path / "run")]
+    for extra, message in ((["--stop-after", "0"], "--stop-after must be >= 1 .*got 0"),
+                           (["--stop-at", "-3"], "--stop-at must be >= 1 .*got -3"),
+                           (["--stop-after-minutes", "0"], "--stop-after-minutes must be > 0"),
+                           (["--eval-every", "5", "--eval-max-new-tokens", "0"],
+                            "eval_max_new_tokens must be >= 1, got 0"),
+                           (["--eval-every", "-1"], "eval_every must be >= 0"),
+                           (["--init-from", str(tmp_path / "nowhere")], "--init-from .*nowhere: no such run folder")):
+        with pytest.raises(SystemExit, match=message):
+            main([*base, *extra])
+    assert not (tmp_path / "run").exists()

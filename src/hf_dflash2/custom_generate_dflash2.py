@@ -46,8 +46,24 @@ def load_drafter(head: str, model) -> torch.nn.Module:
     return _DRAFTERS[key]
 
 
+def check_before_loading(model, args: tuple, kwargs: dict) -> None:
+    """What the assisted loop refuses anyway (more than one row, beams, several sequences per prompt), refused
+    by value before the head is loaded, or downloaded."""
+    ids = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(f"a dFlash 2 head's custom_generate runs at batch size 1 (got {ids.shape[0]} rows); batch "
+                         "the prompts with hf_dflash2.speculative_generate")
+    config = kwargs.get("generation_config") or model.generation_config
+    for name in ("num_beams", "num_return_sequences"):
+        value = kwargs.get(name, getattr(config, name, None))
+        if isinstance(value, int) and value > 1:
+            raise ValueError(f"{name}={value} is not supported with a dFlash 2 head (batch size 1, one sequence)")
+
+
 def generate(model, *args, assistant_model=None, **kwargs):
     """``model.generate(*args, **kwargs)`` with this head as the assistant (batch size 1, any sampling)."""
+    if assistant_model is None:
+        check_before_loading(model, args, kwargs)
     drafter = assistant_model if assistant_model is not None else load_drafter(_head_reference(), model)
     if not hasattr(drafter, "get_candidate_generator"):
         raise ValueError(f"{type(drafter).__name__} is not a dFlash 2 / DFlash head (no get_candidate_generator)")

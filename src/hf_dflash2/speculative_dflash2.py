@@ -41,7 +41,7 @@ def process_logits(
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0.0 < top_p < 1.0:
+    if top_p is not None and top_p < 1.0:  # 0 keeps the likeliest token only, as generate's top-p
         logits = logits.masked_fill(outside_nucleus(logits, top_p), float("-inf"))
     return logits
 
@@ -59,7 +59,9 @@ def outside_nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     values, order = logits.topk(NUCLEUS_SEARCH, dim=-1)
     probs = (values - logits.logsumexp(-1, keepdim=True)).exp()
     before = probs.cumsum(-1) - probs
-    outside = torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, before >= top_p)
+    removed = before >= top_p
+    removed[..., 0] = False  # the likeliest token stays, even at top_p = 0
+    outside = torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, removed)
     wide = before[..., -1] < top_p  # rows whose nucleus goes past their top NUCLEUS_SEARCH
     if wide.any():  # a host read: free on a CPU
         outside[wide] = _outside_nucleus_sorted(logits[wide], top_p)

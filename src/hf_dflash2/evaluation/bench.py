@@ -161,6 +161,19 @@ def generated_tokens(sequences: torch.Tensor, prompt_length: int, eos_token_id) 
     return int(torch.where(ends.any(1), ends.int().argmax(1) + 1, new.shape[1]).sum())
 
 
+def refused_by_settings(method: str, batch_size: int, sample: bool) -> str | None:
+    """Why ``method`` cannot run at this batch size and decoding, whatever the target and heads (None: it can)."""
+    if batch_size > 1 and method in ("dflash2_generate", "prompt_lookup", "native_dflash"):
+        return "Transformers' assisted loop runs at batch size 1 only"
+    if sample and method == "prompt_lookup":
+        return "prompt lookup has no proposal distribution for lossless sampling"
+    if sample and method == "dflash2_fixed_block":
+        return "the head's held-out tau is measured greedy"
+    if method == "zlab_reference" and (sample or batch_size > 1):
+        return "the reference loop is compared at batch 1, greedy"
+    return None
+
+
 class Runner:
     """Runs one method on one batch of prompts; returns generated token count, wall time, stats, texts."""
 
@@ -188,17 +201,12 @@ class Runner:
             return "no dFlash 2 head"
         if method in ("dflash1_fast", "native_dflash") and "dflash1" not in self.heads:
             return "no DFlash-1 head"
-        if batch > 1 and method in ("dflash2_generate", "prompt_lookup", "native_dflash"):
-            return "Transformers' assisted loop runs at batch size 1 only"
-        if self.sample and method == "prompt_lookup":
-            return "prompt lookup has no proposal distribution for lossless sampling"
-        if self.sample and method == "dflash2_fixed_block":
-            return "the head's held-out tau is measured greedy"
+        refused = refused_by_settings(method, batch, self.sample)
+        if refused:
+            return refused
         if method in PLAIN_CONFIGURATIONS:
             return plain_unsupported(self.target, method)
         if method == "zlab_reference":
-            if self.sample or batch > 1:
-                return "the reference loop is compared at batch 1, greedy"
             if self._reference is None:
                 self._reference = load_reference_head(self.head_paths.get("dflash2"), self.target)
             if isinstance(self._reference, str):
@@ -286,13 +294,9 @@ class Runner:
         return generated, seconds, stats, generated_texts(out, ids.shape[1], self.pad)
 
 
-def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
-    from ..assets import load_prompt_set
-    from ..prompts import parse_chat_template
-
-    torch.manual_seed(args.seed)
-    methods = args.methods.split(",")
-    parse_chat_template(args.chat_template)  # before any model load
+def bench_heads(args) -> dict[str, str]:
+    """The heads a bench run loads, by kind ("dflash2", "dflash1"): ``--head`` / ``--dflash1-head`` if given
+    (refused by name without a ``config.json``), else an offline target's committed heads. Before any load."""
     from ..assets import offline_target
 
     heads_paths = {}
@@ -310,6 +314,20 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
                              f"`{offline.build_head}` or pass --head FOLDER")
         if folder:
             heads_paths[name] = str(folder)
+    return heads_paths
+
+
+def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -> dict:
+    from ..assets import load_prompt_set
+    from ..prompts import parse_chat_template
+
+    torch.manual_seed(args.seed)
+    methods = args.methods.split(",")
+    parse_chat_template(args.chat_template)  # before any model load
+    from ..assets import offline_target
+
+    offline = offline_target(args.target)
+    heads_paths = bench_heads(args)
     datasets = {name: load_prompt_set(name, args.limit) for name in args.sets.split(",")}  # validates names
     from ..cpu.precision import load_target_for_decoding
 
@@ -340,6 +358,9 @@ def run_benchmark(args: BenchSettings, command_line: str = "hf-dflash2 bench") -
         if reason:
             report["skipped"][method] = reason
     active = [m for m in methods if m not in report["skipped"]]
+    if not active:
+        raise SystemExit("error: none of the methods can run here: "
+                         + "; ".join(f"{m}: {why}" for m, why in report["skipped"].items()))
     first = next(iter(datasets.values()))[: args.batch_size]
     warm_up(runner, tqdm(active, desc="warm-up", unit="method"),
             *left_pad([encode_prompt(tokenizer, p, target.device) for p in first], tokenizer.pad_token_id))
@@ -662,9 +683,14 @@ def cmd_bench(args) -> int:
     if args.profile:
         return print_cost_profile(settings)
     command_line = "hf-dflash2 " + " ".join(sys.argv[1:]) if sys.argv and "hf-dflash2" in sys.argv[0] else "hf-dflash2 bench"
+    methods = with_every_baseline(settings.methods.split(","))
+    refused = {m: refused_by_settings(m, settings.batch_size, settings.temperature > 0) for m in methods}
+    if all(refused.values()):
+        raise SystemExit(f"error: --methods {settings.methods}: none can run at --batch-size {settings.batch_size} "
+                         f"and --temperature {settings.temperature:g}: "
+                         + "; ".join(f"{m}: {why}" for m, why in refused.items()))
+    output = writable_folder(settings.output)  # before hours of timing, not after
     report = run_benchmark(settings, command_line)
-    output = Path(settings.output)
-    output.mkdir(parents=True, exist_ok=True)
     stem = f"bench_b{settings.batch_size}_t{settings.temperature:g}"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=1))
     table = markdown_table(report)
@@ -674,14 +700,34 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def writable_folder(path: str) -> Path:
+    """``--output``: created if missing; refused by name if it is a file or cannot be written."""
+    import os
+
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise SystemExit(f"error: --output {path} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"error: --output {path}: cannot create it ({error.strerror})") from None
+    if not os.access(folder, os.W_OK):
+        raise SystemExit(f"error: --output {path}: this user cannot write there")
+    return folder
+
+
 def print_cost_profile(settings: BenchSettings) -> int:
     """``bench --profile``: the verify / draft costs the default loop starts from (``loop_cost_model``)."""
     from ..cpu.precision import load_target_for_decoding
     from ..generation.loop import loop_cost_model
 
+    folder = bench_heads(settings).get("dflash2")
+    if folder is None:
+        raise SystemExit(f"--profile: --target {settings.target} has no committed dFlash 2 head; pass --head FOLDER")
     target, _ = load_target_for_decoding(settings.mixed_precision, settings.target, settings.gguf_file,
                                          settings.linear_kernel)
-    head = load_head(settings.head or default_head("smollm2-135m-dflash2"), target)
+    check_head_matches_target(folder, target)
+    head = load_head(folder, target)
     model = loop_cost_model(target, head, settings.batch_size, settings.linear_kernel)
     print(f"cost model ({model.key['device']}, {model.key['dtype']}, linear kernels {model.key['linear_kernel']}, "
           f"{model.key['attention']} attention, batch {settings.batch_size}, block {model.block_size}, "

@@ -152,8 +152,30 @@ def check_input_ids(input_ids) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         got = getattr(input_ids, "shape", type(input_ids))
         raise ValueError(f"input_ids must be a 2-D LongTensor [batch, length], got {got}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids (a LongTensor), got dtype {input_ids.dtype}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): a prompt needs at least one token")
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int) -> None:
+    """Every prompt column, padding included (the prefill embeds it too), is an id of the target's vocabulary:
+    an id outside it would fail inside the first forward (on CUDA as a device-side assert), after the setup."""
+    outside = (input_ids < 0) | (input_ids >= vocab_size)
+    if bool(outside.any()):
+        row, column = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"input_ids[{row}, {column}] = {int(input_ids[row, column])} is not a token id of the "
+                         f"target's vocabulary of {vocab_size}")
+
+
+def check_sampling(top_k, top_p) -> None:
+    """``generate``'s ranges for the sampling filters: top_k an integer >= 0 (0: off), top_p in [0, 1] (0 keeps
+    only the likeliest token, 1: off); None: off."""
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an integer >= 0 (0 or None: no top-k filter), got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0.0 <= top_p <= 1.0):
+        raise ValueError(f"top_p must be a number in [0, 1] (1 or None: no top-p filter), got {top_p!r}")
 
 
 def mask_from_padding(input_ids: torch.Tensor, config) -> torch.Tensor | None:
@@ -183,10 +205,11 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         if right_padded:
             raise ValueError(f"rows {right_padded} of the batch end in padding: speculative_generate continues each "
                              "row after its last column, so pad on the left (tokenizer.padding_side = 'left')")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
-    if not 2 <= block_size:
-        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size:
+        raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
+    check_token_ids(input_ids, target.get_input_embeddings().weight.shape[0])
     limit = target.config.get_text_config().max_position_embeddings
     needed = input_ids.shape[1] + max_new_tokens + block_size
     if limit is not None and needed > limit:

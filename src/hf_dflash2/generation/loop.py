@@ -58,6 +58,7 @@ from .config import (
     PROCESSED_SETTINGS,
     UNSET,
     check_input_ids,
+    check_sampling,
     eos_tensor,
     mask_from_padding,
     new_token_budget,
@@ -467,6 +468,10 @@ def speculative_generate(
     """
     check_ngram_size(ngram_size)
     check_input_ids(input_ids)
+    if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
+        raise ValueError(f"block_size must be an integer >= 2 (or None: the head's), got {block_size!r}")
+    if verify_policy is not None and not isinstance(verify_policy, VerifyPolicy):
+        raise TypeError(f"verify_policy must be a VerifyPolicy (e.g. ForcedVerifyLengths), got {verify_policy!r}")
     # eos / pad ids: None = not given (the configs' ids), as 0.1.0 read them
     config = resolve_generation_config(
         target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -497,6 +502,8 @@ def speculative_generate(
     validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size)
     if do_sample and not temperature > 0:
         raise ValueError(f"do_sample=True needs temperature > 0, got {temperature}")
+    if do_sample:
+        check_sampling(top_k, top_p)
     copies = config.num_return_sequences if config.num_return_sequences is not None else 1
     if not isinstance(copies, int) or copies < 1:
         raise ValueError(f"num_return_sequences must be a positive integer, got {copies!r}")
@@ -523,6 +530,13 @@ def speculative_generate(
     # the processors in force change which drafts pass: calls under other processors calibrate apart
     settings_key = (repr([getattr(config, name, None) for name in PROCESSED_SETTINGS]),
                     tuple(type(p).__qualname__ for p in logits_processor or ()), prefix_allowed_tokens_fn is not None)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids)
+    # built before the kernels are timed and the cost model measured: they check their settings
+    processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor,
+                                        prefix_allowed_tokens_fn)
+    processors = processors if processors.active else None
+    sampler = Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
     with loop_forwards(target, drafter, n_rows, block_size, packed_attention, linear_kernel):
         running_attention = target.config._attn_implementation
         if cost_model is not None and cost_model.key.get("attention", running_attention) != running_attention:
@@ -534,12 +548,6 @@ def speculative_generate(
                                    expected_context=input_ids.shape[1] + max_new_tokens // 2)
         stats.costs = policy.cost.as_dict() if isinstance(getattr(policy, "cost", None), CostModel) else None
 
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        processors = TargetLogitsProcessors(target, config, input_ids, attention_mask, max_new_tokens, logits_processor,
-                                            prefix_allowed_tokens_fn)
-        processors = processors if processors.active else None
-        sampler = Sampler(do_sample, temperature, top_k, top_p, generator, config, device)
         token_scores = None
         if want_scores or want_logits:
             token_scores = TokenScores(n_rows, max_new_tokens, target.get_output_embeddings().weight.shape[0], device,

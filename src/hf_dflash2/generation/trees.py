@@ -105,9 +105,8 @@ def candidate_log_mass(draft) -> torch.Tensor:
     (the selector's softmax is over them only).
 
     With the candidates' own logits (``candidate_logits``, largest first), it is the top candidate's log
-    probability plus ``log sum_k exp(u_k - u_1)``: one pass over the vocabulary (a fused ``log_softmax``)
-    instead of a second top-K and a ``logsumexp`` over it, which cost a CPU about three times as much
-    (``benchmarks/cost/round_overhead.py``). Heads saved before that field draft without it."""
+    probability plus ``log sum_k exp(u_k - u_1)``: one fused pass over the vocabulary (``log_softmax``) where
+    a second top-K over it would be another. Heads saved before that field draft without it."""
     log_probs = draft.logits.float().log_softmax(-1)
     top = getattr(draft, "candidate_logits", None)
     if top is None:

@@ -507,6 +507,16 @@ def _check_train_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value < least:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
+    for name in ("stop_after", "stop_at"):  # a run that would stop before its first step saves an untrained head
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1 (or left out), got {value}")
+    if args.stop_after_minutes is not None and not args.stop_after_minutes > 0:
+        raise SystemExit(f"--stop-after-minutes must be > 0 (or left out), got {args.stop_after_minutes}")
+    if args.init_from:  # a weights-only start: the path is checked again, in full, when the weights are read
+        source = Path(args.init_from)
+        if not source.exists():
+            raise SystemExit(f"--init-from {args.init_from}: no such run folder, checkpoint or saved head")
     output = Path(args.output)
     if output.exists() and not output.is_dir():
         raise SystemExit(f"--output {args.output} is a file, not a run folder")

@@ -141,9 +141,13 @@ class TrainingConfig:
             raise ValueError(f"vocab_subset must be 'data' or 'full', got {self.vocab_subset!r}")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16' here, got {self.mixed_precision!r}")
-        for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every", "log_every"):
+        for name in ("steps", "batch_size", "anchors_per_sequence", "max_length", "checkpoint_every", "log_every",
+                     "eval_max_new_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("eval_every", "eval_prompts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: no evaluation during training), got {getattr(self, name)}")
         for name in ("loss_positions", "draft_vocab_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None: all), got {getattr(self, name)}")

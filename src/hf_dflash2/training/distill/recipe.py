@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -116,6 +117,10 @@ class DistillRecipe:
             raise ValueError(f"precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.label_source not in ("data", "argmax", "kl"):
             raise ValueError(f"label_source must be data, argmax or kl, got {self.label_source!r}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+        if not 0 < self.output_scale <= 1:  # also refuses NaN
+            raise ValueError(f"output_scale must be in (0, 1], got {self.output_scale}")
         for name in ("store_tokens", "trunk_steps", "cool_steps", "regen_batch_size", "draft_vocab_size", "threads"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1 (or None), got {getattr(self, name)}")
