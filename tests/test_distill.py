@@ -264,6 +264,35 @@ def test_a_larger_budget_grows_a_finished_store_to_what_that_budget_plans(tmp_pa
     assert not raised.done("store") and grown["store_tokens"] == store.num_tokens + 1000
 
 
+def test_a_store_running_past_its_time_stops_adding_between_batches(tmp_path, monkeypatch):
+    """Regeneration and the prefill check the store's time between batches and shards: once it is up, no new
+    batch starts, and the records regenerated so far are what the call returns."""
+    import json
+    from types import SimpleNamespace
+
+    from hf_dflash2.training.distill import pipeline
+
+    def regenerate(target, tokenizer, prompts, path, config):
+        with open(path, "a") as out:
+            for prompt in prompts:
+                out.write(json.dumps({"id": prompt["id"], "prompt_ids": [1, 2], "response_ids": [3] * 8}) + "\n")
+
+    monkeypatch.setattr(pipeline, "regenerate", regenerate)
+    recipe = DistillRecipe(regen_batch_size=2)
+    prompts = [{"id": i} for i in range(20)]
+    batches = []
+    records = pipeline.regenerate_until(None, None, prompts, tmp_path / "regen.jsonl", 10_000, recipe,
+                                        torch.device("cpu"), on_batch=batches.append,
+                                        out_of_time=lambda: len(batches) >= 3)
+    assert len(batches) == 3 and len(records) == 6  # three batches of two, then the time was up
+    built = []
+    monkeypatch.setattr(pipeline, "build_store", lambda target, chunk, store, **kw: built.append(len(chunk)))
+    store = SimpleNamespace(record_ids=set(), meta=SimpleNamespace(vocab_size=64), num_tokens=0)
+    pipeline.prefill(None, records, store, DistillRecipe(store_chunk_tokens=20), 0,
+                     out_of_time=lambda: len(built) >= 2)
+    assert built == [2, 2]  # two shards of two 10-token records; the third did not start
+
+
 class _CountingTrainer:
     """Steps, checkpoints and nothing else: what ``train_in_chunks`` drives."""
 

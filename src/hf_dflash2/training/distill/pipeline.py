@@ -125,11 +125,16 @@ def regeneration_batch(recipe: DistillRecipe, device: torch.device) -> int:
     return recipe.regen_batch_size or (128 if device.type == "cuda" else 48)
 
 
+# How much longer than planned the store may run before it stops adding (a share of its planned seconds).
+STORE_OVERRUN = 1.25
+
+
 def regenerate_until(target, tokenizer, prompts: list[dict], path: Path, tokens: int, recipe: DistillRecipe,
-                     device: torch.device, on_batch=None, max_batches: int | None = None) -> list[dict]:
+                     device: torch.device, on_batch=None, max_batches: int | None = None,
+                     out_of_time=lambda: False) -> list[dict]:
     """The target's greedy responses, one batch of prompts after another (appended to ``path``), until they
-    hold ``tokens`` store tokens (prompt + response) or the prompts run out. -> their store records.
-    Resumable and deterministic: each batch is the next ``batch`` prompts, whatever ran before."""
+    hold ``tokens`` store tokens (prompt + response), the prompts run out or ``out_of_time()``. -> their store
+    records. Resumable and deterministic: each batch is the next ``batch`` prompts, whatever ran before."""
     batch = regeneration_batch(recipe, device)
     config = RegenerationConfig(max_prompt_tokens=recipe.regen_max_prompt_tokens,
                                 max_new_tokens=recipe.regen_max_new_tokens, batch_size=batch, seed=recipe.seed)
@@ -141,7 +146,7 @@ def regenerate_until(target, tokenizer, prompts: list[dict], path: Path, tokens:
     offered = 0 if not answered else -(-(max(answered) + 1) // batch) * batch
     batches = 0
     while (sum(len(r["input_ids"]) for r in records) < tokens and offered < len(prompts)
-           and (max_batches is None or batches < max_batches)):
+           and (max_batches is None or batches < max_batches) and not out_of_time()):
         batches += 1
         regenerate(target, tokenizer, prompts[offered : offered + batch], path, config)
         offered += batch
@@ -176,14 +181,18 @@ def store_tokens_per_batch(vocab_size: int) -> int:
     return max(256, min(4096, (1 << 30) // (4 * vocab_size)))
 
 
-def prefill(target, records: list[dict], store, recipe: DistillRecipe, pad_token_id: int, on_chunk=None) -> None:
-    """Put ``records`` into ``store`` (those already there are skipped), one shard per ``store_chunk_tokens``:
-    a kill loses at most the shard being built, and a rerun rebuilds it from the same records."""
+def prefill(target, records: list[dict], store, recipe: DistillRecipe, pad_token_id: int, on_chunk=None,
+            out_of_time=lambda: False) -> None:
+    """Put ``records`` into ``store`` (those already there are skipped), one shard per ``store_chunk_tokens``,
+    until they are all in or ``out_of_time()`` (checked between shards): a kill loses at most the shard being
+    built, and a rerun rebuilds it from the same records."""
     done = store.record_ids
     todo = [r for r in records if str(r["id"]) not in done]
     per_batch = store_tokens_per_batch(store.meta.vocab_size)
     chunk, size = [], 0
     for index, record in enumerate(todo):
+        if not chunk and out_of_time():
+            return
         chunk.append(record)
         size += len(record["input_ids"])
         if size >= recipe.store_chunk_tokens or index == len(todo) - 1:
@@ -541,15 +550,25 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
                 state.data["spent_seconds"] = round(display.spent(), 1)
                 state.save()
 
+            # A store running slow (a busy machine) must not eat the training's time: past its planned time and
+            # a quarter more, it stops adding; what was regenerated is still stored, since it is paid for.
+            deadline = plan.get("spent_seconds_at_plan", display.spent()) + STORE_OVERRUN * plan["store_seconds"]
+
+            def out_of_time() -> bool:
+                return display.spent() > deadline
+
             records = regenerate_until(store_target(), tokenizer, regen_prompts, regen_path, plan["regen_tokens"],
-                                       recipe, device,
+                                       recipe, device, out_of_time=out_of_time,
                                        on_batch=lambda n: progress(0.8 * (n - regenerated_before) / to_add))
             prefill(store_target(), records, store, recipe, pad,
                     on_chunk=lambda n: progress((n - stored_before) / to_add))
             regen_stored = sum(len(r["input_ids"]) for r in records)
             text = sharegpt_records(tokenizer, exchanges, total - regen_stored, recipe.max_length)
-            prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress((n - stored_before) / to_add))
-            display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences")
+            prefill(store_target(), text, store, recipe, pad, on_chunk=lambda n: progress((n - stored_before) / to_add),
+                    out_of_time=out_of_time)
+            stopped = out_of_time() and store.num_tokens < total
+            display.write(f"store: {store.num_tokens:,} tokens in {len(store):,} sequences"
+                          + (f" (stopped at its time, {total:,} planned)" if stopped else ""))
             # The store took what it took: the training phases are planned again for what is left of the budget.
             trained = plan_on_built_store(state, budget, display.spent(), rates, recipe, store)
             adopt_plan(state, trained, plan)
@@ -557,7 +576,9 @@ def _pipeline(settings, state, display, target, tokenizer, name, layer_ids, devi
             state.data["spent_seconds"] = round(display.spent(), 1)
             state.mark("store", {"tokens": store.num_tokens, "sequences": len(store),
                                  "regenerated_tokens": regen_stored, "sources": sources,
-                                 "data_ran_out": store.num_tokens < total})  # then a larger budget cannot grow it
+                                 "stopped_at_its_time": stopped,
+                                 # then a larger budget cannot grow it
+                                 "data_ran_out": store.num_tokens < total and not stopped})
             display.write(format_plan(plan, rates, name))
     store_target.cache_clear()  # the store's bf16 copy of the target and the texts: not needed for training
     texts.cache_clear()
