@@ -209,7 +209,11 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size:
         raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
-    check_token_ids(input_ids, target.get_input_embeddings().weight.shape[0])
+    embedding = target.get_input_embeddings()
+    rows = getattr(getattr(embedding, "weight", None), "shape", (None,))[0]
+    vocab_size = rows or getattr(target.config.get_text_config(), "vocab_size", None)
+    if vocab_size:
+        check_token_ids(input_ids, vocab_size)
     limit = target.config.get_text_config().max_position_embeddings
     needed = input_ids.shape[1] + max_new_tokens + block_size
     if limit is not None and needed > limit:
