@@ -298,10 +298,12 @@ def path_out_of_place(order: torch.Tensor, accepted: torch.Tensor) -> torch.Tens
 def move_path_to_front(cache, order: torch.Tensor) -> None:
     """Reorder the round's last W slots of every cache layer in place by ``order`` [N, W]."""
     n, width = order.shape
+    index = None  # one expanded index for every layer of the same shape (the host runs it once, not 2 x layers)
     for layer in cache.layers:
         for name in ("keys", "values"):
             buffer = getattr(layer, name)
-            index = order[:, None, :, None].expand(n, buffer.shape[1], width, buffer.shape[3])
+            if index is None or index.shape[1] != buffer.shape[1] or index.shape[3] != buffer.shape[3]:
+                index = order[:, None, :, None].expand(n, buffer.shape[1], width, buffer.shape[3])
             buffer[:, :, -width:] = buffer[:, :, -width:].gather(2, index)
 
 
