@@ -744,6 +744,12 @@ def starting_cost_model(target, drafter, batch_size: int, block_size: int, expec
     return load_or_measure_cost_model(target, drafter, batch_size, block_size, context_length=context)
 
 
+def check_verify_policy(policy) -> None:
+    """A caller's ``verify_policy`` is a ``VerifyPolicy`` (None is not given here)."""
+    if not isinstance(policy, VerifyPolicy):
+        raise TypeError(f"verify_policy must be a VerifyPolicy (e.g. ForcedVerifyLengths), got {policy!r}")
+
+
 def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptive: bool = True,
                       policy: VerifyPolicy | None = None, cost_model: CostModel | None = None,
                       reproducible: bool = False, settings_key: tuple = (),
@@ -758,10 +764,7 @@ def verify_policy_for(target, drafter, batch_size: int, block_size: int, adaptiv
     calibration, timings and back-off carry over only between calls with the same key, since a repetition
     penalty rejects the very repeats a call without it accepts."""
     if policy is not None:
-        if not isinstance(policy, VerifyPolicy):
-            raise TypeError(
-                f"verify_policy must be a VerifyPolicy (e.g. ForcedVerifyLengths), got {type(policy).__name__}"
-            )
+        check_verify_policy(policy)
         return policy.start(block_size)
     if not adaptive:
         return FixedVerifyLength().start(block_size)

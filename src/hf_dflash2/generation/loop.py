@@ -38,7 +38,13 @@ import torch
 from torch.profiler import record_function
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 
-from ..cost_model_dflash2 import CostModel, VerifyPolicy, starting_cost_model, verify_policy_for
+from ..cost_model_dflash2 import (
+    CostModel,
+    VerifyPolicy,
+    check_verify_policy,
+    starting_cost_model,
+    verify_policy_for,
+)
 from ..cpu.attention import packed_gqa_attention
 from ..kernels_dflash2 import ForwardKernels
 from ..speculative_dflash2 import (
@@ -470,8 +476,8 @@ def speculative_generate(
     check_input_ids(input_ids)
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2):
         raise ValueError(f"block_size must be an integer >= 2 (or None: the head's), got {block_size!r}")
-    if verify_policy is not None and not isinstance(verify_policy, VerifyPolicy):
-        raise TypeError(f"verify_policy must be a VerifyPolicy (e.g. ForcedVerifyLengths), got {verify_policy!r}")
+    if verify_policy is not None:
+        check_verify_policy(verify_policy)
     # eos / pad ids: None = not given (the configs' ids), as 0.1.0 read them
     config = resolve_generation_config(
         target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
