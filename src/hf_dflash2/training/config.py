@@ -220,9 +220,9 @@ class TrainSettings(TargetSettings):
         "to cool it down into a head while the trunk goes on)", choices=("cosine", "wsd")))
     decay_steps: int | None = field(default=TrainingConfig.decay_steps, metadata=_help(
         "with --lr-schedule wsd: the cool-down's length (default: 20%% of the steps after warmup)"))
-    output_scale: float = field(default=0.1, metadata=_help(
+    output_scale: float = field(default=TrainingConfig.output_scale, metadata=_help(
         "a fresh head's output norm starts at this fraction of the target's final-norm scale"))
-    logit_ramp_steps: int = field(default=0, metadata=_help(
+    logit_ramp_steps: int = field(default=TrainingConfig.logit_ramp_steps, metadata=_help(
         "steps over which a fresh head's logit scale grows to 1 (capped at the warmup; 0: none)"))
     ema_decay: float = field(default=TrainingConfig.ema_decay, metadata=_help(
         "keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed beside "

@@ -77,8 +77,10 @@ class TrainingConfig:
     # a cool-down of ~20 % matches cosine at the same budget).
     lr_schedule: str = "cosine"
     decay_steps: int | None = None  # wsd's cool-down; None: 20 % of the steps after warmup
-    logit_ramp_steps: int = 20  # a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
-    output_scale: float = 1.0  # the fresh head's output norm, as a fraction of the target's (recorded; see for_target)
+    # A fresh head starts its output norm damped (``for_target``'s ``output_scale``, recorded here) instead of
+    # ramping its logits: a ramp sharpens what the head has learnt under a rising rate (docs/training.md).
+    logit_ramp_steps: int = 0  # >0: a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
+    output_scale: float = 0.1  # the fresh head's output norm, as a fraction of the target's
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab
