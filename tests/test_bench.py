@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from hf_dflash2.evaluation.bench import card_results, markdown_table, median_run, summarize, to_native_dflash
 
 from .conftest import tiny_drafter, tiny_target
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -321,3 +326,23 @@ def test_bench_refuses_an_unwritable_output_or_methods_that_cannot_run_before_an
         main(["bench", "--methods", "prompt_lookup", "--temperature", "0.7", "--output", str(earlier.parent)])
     assert earlier.read_text() == "{}"
     assert bench.refused_by_settings("dflash2_fast", 4, True) is None  # the loop runs any batch, sampled too
+
+
+def test_bench_without_matplotlib_says_so_before_the_run_and_writes_its_report(monkeypatch, tmp_path, capsys):
+    """The chart is the only thing matplotlib (the ``plots`` extra) is needed for: without it the bench says so
+    before any timing, then writes its JSON and Markdown and no PNG, instead of failing at its very end."""
+    from hf_dflash2.cli import main
+    from hf_dflash2.evaluation import bench
+
+    report = json.loads((REPO / "benchmarks/results/avx512bf16_zen4/bench_b1_t0.json").read_text())
+    order = []
+
+    def run_benchmark(settings, command_line):
+        order.append(("run", "no PNG" in capsys.readouterr().err))
+        return report
+
+    monkeypatch.setattr(bench, "run_benchmark", run_benchmark)
+    monkeypatch.setattr(bench, "charts_available", lambda: False)
+    assert main(["bench", "--output", str(tmp_path)]) == 0
+    assert order == [("run", True)]  # the note came first
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bench_b1_t0.json", "bench_b1_t0.md"]

@@ -145,6 +145,9 @@ def test_generated_flags_required_switches_and_metavars():
         (RegenerateSettings, {"batch_size": 0}, "--batch-size 0 and --max-new-tokens 192 must be >= 1"),
         (RegenerateSettings, {"linear_kernel": "mkl"}, "--linear-kernel: .*'mkl'"),
         (RegenerateSettings, {"mixed_precision": "fp8"}, "--mixed-precision 'fp8'"),
+        (RegenerateSettings, {"limit": 0}, "--limit 0 must be >= 1"),
+        (RegenerateSettings, {"max_prompt_tokens": 0}, "--max-prompt-tokens 0 must be >= 1"),
+        (RegenerateSettings, {"do_sample": True, "temperature": 0.0}, "--temperature 0.0 must be a finite number > 0"),
         (StoreSettings, {"top_k": 0}, "--top-k must be >= 1, got 0"),
         (StoreSettings, {"target_layer_ids": "1,x"}, "--target-layer-ids '1,x': expected comma-separated"),
         (StoreSettings, {"mixed_precision": "fp8"}, "--mixed-precision 'fp8'"),
@@ -161,7 +164,10 @@ def test_training_command_settings_refuse_bad_values_by_name(settings_class, val
      ({"recipe": DistillRecipe(layers=0)}, "layers must be >= 1"), ({"push": "not a/repo/id"}, "--push"),
      ({"recipe": DistillRecipe(learning_rate=0.0)}, "learning_rate must be a finite number > 0, got 0.0"),
      ({"recipe": DistillRecipe(learning_rate=float("nan"))}, "learning_rate must be a finite number > 0, got nan"),
-     ({"recipe": DistillRecipe(output_scale=2.0)}, r"output_scale must be in \(0, 1\], got 2.0")],
+     ({"recipe": DistillRecipe(output_scale=2.0)}, r"output_scale must be in \(0, 1\], got 2.0"),
+     ({"recipe": DistillRecipe(checks=-1)}, "checks must be >= 0 .*got -1"),
+     ({"recipe": DistillRecipe(min_store_tokens=0)}, "min_store_tokens must be >= 1, got 0"),
+     ({"recipe": DistillRecipe(eval_prompts=20)}, "at most 16 .*got 20 and 4")],
 )
 def test_distill_settings_refuse_bad_values_when_built(values, match):
     with pytest.raises(DistillError, match=match):
@@ -169,10 +175,15 @@ def test_distill_settings_refuse_bad_values_when_built(values, match):
 
 
 def test_defaults_shared_with_the_python_api_are_read_from_it():
+    from hf_dflash2.training.config import TrainSettings
     from hf_dflash2.training.regenerate import RegenerationConfig
+    from hf_dflash2.training.trainer import TrainingConfig
 
     settings = RegenerateSettings(output="out")
     assert settings.regeneration_config() == RegenerationConfig()
+    # a fresh head as `train` starts one: damped output norm, no logit ramp (docs/training.md, lesson 2)
+    for name, value in (("output_scale", 0.1), ("logit_ramp_steps", 0)):
+        assert getattr(TrainSettings(), name) == getattr(TrainingConfig(), name) == value
     args = build_parser().parse_args(["distill", "--output", "run"])
     assert {name: getattr(args, name) for name in ("seed", "layers", "block_size", "precision")} == {
         name: getattr(DistillRecipe(), name) for name in ("seed", "layers", "block_size", "precision")}

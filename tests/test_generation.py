@@ -377,6 +377,8 @@ def test_bad_settings_are_refused_by_value_before_any_timing(setup, monkeypatch)
     cases = [
         (dict(block_size=0), "block_size must be an integer >= 2 .*got 0"),
         (dict(max_new_tokens=True), "max_new_tokens must be a non-negative integer, got True"),
+        (dict(max_new_tokens="5"), "max_new_tokens must be a non-negative integer, got '5'"),
+        (dict(cost_model={"draft": 1.0}), "cost_model must be a CostModel .*got dict"),
         (dict(top_p=1.5, **sample), "top_p must be a number in \\[0, 1\\].*got 1.5"),
         (dict(top_p=-0.1, **sample), "top_p must be a number in \\[0, 1\\].*got -0.1"),
         (dict(top_k=-1, **sample), "top_k must be an integer >= 0.*got -1"),

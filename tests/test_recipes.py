@@ -219,7 +219,21 @@ def test_train_refuses_settings_that_would_only_fail_or_save_an_untrained_head_l
                            (["--eval-every", "5", "--eval-max-new-tokens", "0"],
                             "eval_max_new_tokens must be >= 1, got 0"),
                            (["--eval-every", "-1"], "eval_every must be >= 0"),
-                           (["--init-from", str(tmp_path / "nowhere")], "--init-from .*nowhere: no such run folder")):
+                           (["--init-from", str(tmp_path / "nowhere")], "--init-from .*nowhere: no such run folder"),
+                           (["--threads", "-2"], "--threads must be >= 0, got -2"),
+                           (["--eval-prompts", "17"], "--eval-prompts must be at most 16 .*got 17"),
+                           (["--selector-weight", "-1"], "selector_weight must be a finite number >= 0, got -1"),
+                           (["--selector-weight", "nan"], "selector_weight must be a finite number >= 0, got nan")):
         with pytest.raises(SystemExit, match=message):
             main([*base, *extra])
     assert not (tmp_path / "run").exists()
+
+
+def test_plan_refuses_what_the_run_would_refuse(capsys):
+    """``--plan`` prints settings only when the run itself would accept them."""
+    for extra, message in ((["--layers", "0"], "--layers must be >= 1, got 0"),
+                           (["--block-size", "1"], "--block-size must be >= 2, got 1"),
+                           (["--mixed-precision", "fp8"], "--mixed-precision 'fp8'"),
+                           (["--threads", "-1"], "--threads must be >= 0, got -1")):
+        with pytest.raises(SystemExit, match=message):
+            plan(capsys, "--config", "recipes/smollm2-135m-dflash2.yaml", *extra)

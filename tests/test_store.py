@@ -85,6 +85,14 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "s", meta_for(target, top_k=4))
     with pytest.raises(FileNotFoundError, match="not a feature store"):
         FeatureStore(tmp_path / "nothing")
+    # a store of another format version is refused by name, for reading and for appending, and left as it was
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    (tmp_path / "s" / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+    before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir())
+    for args in ((), (meta_for(target),)):
+        with pytest.raises(ValueError, match="format version 2; this version of hf_dflash2 reads version 1"):
+            FeatureStore(tmp_path / "s", *args)
+    assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir()) == before
 
 
 def test_store_command_refuses_a_mismatched_store_before_the_target_loads(tmp_path, monkeypatch):

@@ -323,7 +323,7 @@ LONG_CONTEXT_TASKS = (
     ("fastchat/fastchat/serve/cli.py",
      "List every command-line argument this script accepts, with its default value and what it does."),
 )
-LONG_CONTEXT_CHARS = 7000  # about 1.8-2.8K SmolLM2 tokens of code or prose, with the request and template
+LONG_CONTEXT_CHARS = 7000  # of code or prose: 1.5-3K tokens with the request and template
 
 
 def load_long_context_prompts() -> list[dict]:

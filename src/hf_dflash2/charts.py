@@ -11,6 +11,13 @@ import os
 from pathlib import Path
 
 
+def charts_available() -> bool:
+    """Whether matplotlib (the ``plots`` extra) is installed, so that a long run can say so before it starts."""
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def palette_png_bytes(image) -> bytes:
     """The PNG bytes of a PIL ``image`` quantised to a 256-colour palette."""
     from PIL import Image

@@ -473,9 +473,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
         The config comes from ``DFlash2Config.for_target(target.config, ...)`` (``config_kwargs`` go there).
         The output norm starts at the target's final-norm scale, read off the module itself so that offset
-        conventions (Gemma's ``1 + w``) come out right. It is not damped to make the first predictions uniform:
-        a head then needs many steps to grow it back (training damps the logits instead). ``output_scale``
-        multiplies it (a head whose logits can span only a fraction of the target's trains more stably).
+        conventions (Gemma's ``1 + w``) come out right, times ``output_scale``. A head to be trained from
+        scratch wants it damped (``train`` and ``distill`` use 0.1, recorded as ``TrainingConfig.output_scale``):
+        logits that can span only a fraction of the target's train more stably. Not far below that, though:
+        near-uniform first predictions take many steps to grow back.
         Same seed -> same weights, and the caller's random streams (CPU and accelerator) are left as they were;
         ``seed=None`` draws from the caller's stream.
         """
@@ -779,9 +780,10 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
 
     def get_candidate_generator(self, target, generation_config, logits_processor=None, model_kwargs=None, input_ids=None,
                                 tokenizer=None, stopping_criteria=None):
-        """Called by ``target.generate(assistant_model=self)`` (see ``candidate_generator_dflash2``)."""
-        return candidate_generator_for(self, target, generation_config, logits_processor, model_kwargs, input_ids,
-                                       tokenizer, stopping_criteria)
+        """Called by ``target.generate(assistant_model=self)`` (see ``candidate_generator_dflash2``);
+        ``model_kwargs`` is part of the hook's signature and not needed here."""
+        return candidate_generator_for(self, target, generation_config, logits_processor, input_ids, tokenizer,
+                                       stopping_criteria)
 
     # ------------------------------------------------------------------ saving
     @classmethod

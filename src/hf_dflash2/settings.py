@@ -47,7 +47,6 @@ class SamplingSettings:
         validate_sampling(self.temperature, self.top_k, self.top_p)
 
 
-PRECISION_HELP = "auto: bf16 where this machine's bf16 matmul is fast, else fp32; or bf16 / fp32"
 PRECISION_HELP_DECODE = ("auto: bf16 where a bf16 linear layer at 1 and at 8 rows (a decode step, a verify) is "
                          "clearly faster than fp32 here, else fp32; or bf16 / fp32")
 

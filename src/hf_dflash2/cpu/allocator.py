@@ -4,10 +4,9 @@ already there instead of faulting in fresh ones.
 glibc gives freed memory back to the kernel: a block above the mmap threshold is unmapped when freed, and a
 free top of the heap above the trim threshold is trimmed. A training step allocates and frees tens of
 megabytes of temporaries (the dense gradients of the selector's [V, rank] codebooks, logits over the draft
-vocabulary), so every step faults in fresh zeroed pages. On the virtual machines here a page fault costs
-some ten microseconds, and a SmolLM2 training step took ~20,000 of them (`docs/benchmarks.md`
-measures it). Raising both thresholds keeps those pages in the process for the next step: more resident
-memory (at most ``trim_threshold`` of freed memory), no change to any result.
+vocabulary), so every step faults in fresh zeroed pages, and on a virtual machine page faults are slow
+(`docs/benchmarks.md` counts them per step). Raising both thresholds keeps those pages in the process for the
+next step: more resident memory (at most ``trim_threshold`` of freed memory), no change to any result.
 
 Process-wide, so only a command that owns its process calls it (``hf-dflash2 train``); anywhere but Linux with
 glibc (macOS, Windows, musl) nothing happens.

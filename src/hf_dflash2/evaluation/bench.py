@@ -55,7 +55,7 @@ from unittest import mock
 import torch
 from tqdm.auto import tqdm
 
-from ..charts import save_chart
+from ..charts import charts_available, save_chart
 from ..cost_model_dflash2 import _device_name
 from ..cpu.attention import packed_gqa_attention, packs_gqa
 from ..hub import card_results  # noqa: F401  (re-exported: bench reports become card numbers)
@@ -70,8 +70,6 @@ from ..prompts import (
 )
 from ..settings import BENCH_METHODS, BenchCommand, BenchSettings, add_arguments, from_args
 from ..speculative_dflash2 import SpeculativeStats
-
-ALL_METHODS = list(BENCH_METHODS)
 
 
 def to_native_dflash(drafter):
@@ -289,7 +287,7 @@ class Runner:
             out = self.target.generate(ids, attention_mask=mask, assistant_model=self._native, speculation_type="dflash", **common)
             generated = out.shape[1] - ids.shape[1]
         else:
-            raise ValueError(f"unknown method {method!r}; choose from {ALL_METHODS}")
+            raise ValueError(f"unknown method {method!r}; choose from {list(BENCH_METHODS)}")
         seconds = time.perf_counter() - started
         return generated, seconds, stats, generated_texts(out, ids.shape[1], self.pad)
 
@@ -690,12 +688,17 @@ def cmd_bench(args) -> int:
                          f"and --temperature {settings.temperature:g}: "
                          + "; ".join(f"{m}: {why}" for m, why in refused.items()))
     output = writable_folder(settings.output)  # before hours of timing, not after
+    chart = charts_available()
+    if not chart:
+        print("note: matplotlib is not installed (pip install 'hf_dflash2[plots]'): the bench writes its JSON and "
+              "Markdown, no PNG chart", file=sys.stderr)
     report = run_benchmark(settings, command_line)
     stem = f"bench_b{settings.batch_size}_t{settings.temperature:g}"
     (output / f"{stem}.json").write_text(json.dumps(report, indent=1))
     table = markdown_table(report)
     (output / f"{stem}.md").write_text(table)
-    draw_chart(report, output / f"{stem}.png")
+    if chart:
+        draw_chart(report, output / f"{stem}.png")
     print(table)
     return 0
 

@@ -190,6 +190,11 @@ def mask_from_padding(input_ids: torch.Tensor, config) -> torch.Tensor | None:
     return (~leading).long() if bool(leading.any()) else None
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+
+
 def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_new_tokens, block_size) -> None:
     """Raise a clear ``ValueError`` before any forward pass."""
     check_input_ids(input_ids)
@@ -205,8 +210,7 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         if right_padded:
             raise ValueError(f"rows {right_padded} of the batch end in padding: speculative_generate continues each "
                              "row after its last column, so pad on the left (tokenizer.padding_side = 'left')")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    check_max_new_tokens(max_new_tokens)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size:
         raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
     embedding = target.get_input_embeddings()

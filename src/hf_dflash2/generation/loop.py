@@ -64,6 +64,7 @@ from .config import (
     PROCESSED_SETTINGS,
     UNSET,
     check_input_ids,
+    check_max_new_tokens,
     check_sampling,
     eos_tensor,
     mask_from_padding,
@@ -478,6 +479,9 @@ def speculative_generate(
         raise ValueError(f"block_size must be an integer >= 2 (or None: the head's), got {block_size!r}")
     if verify_policy is not None:
         check_verify_policy(verify_policy)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel (hf_dflash2.cost_model_dflash2; None: measured here), "
+                        f"got {type(cost_model).__name__}")
     # eos / pad ids: None = not given (the configs' ids), as 0.1.0 read them
     config = resolve_generation_config(
         target, generation_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -485,7 +489,9 @@ def speculative_generate(
         pad_token_id=UNSET if pad_token_id is None else pad_token_id, **generation_kwargs,
     )
     # Given here, max_new_tokens bypasses GenerationConfig's check, which refuses 0 (a no-op call to us).
-    if max_new_tokens is None:
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens)
+    else:
         max_new_tokens = new_token_budget(config, input_ids.shape[1],
                                            target.config.get_text_config().max_position_embeddings,
                                            block_size or drafter.config.block_size)

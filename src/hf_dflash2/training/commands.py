@@ -235,10 +235,14 @@ def cmd_train(args) -> int:
                                 + (f" (or output: in {args.config})" if args.config else ""))
     if args.plan:
         for name, settings in runs:
+            prefix = f"hf-dflash2 train: {f'phase {name}: ' if name else ''}"
             try:
                 _training_config(settings, "no").validate()
+                _check_numbers(settings)
             except ValueError as error:
-                raise SystemExit(f"hf-dflash2 train: {f'phase {name}: ' if name else ''}{error}") from None
+                raise SystemExit(f"{prefix}{error}") from None
+            except SystemExit as error:
+                raise SystemExit(f"{prefix}{error.code}") from None
         print(json.dumps([{"phase": name, **asdict(settings)} for name, settings in runs], indent=1))
         return 0
     for name, settings in runs:  # every run's settings checked before the first one trains
@@ -283,11 +287,9 @@ def _copy_fork_checkpoint(args) -> None:
 def _check_settings(args) -> tuple[dict | None, list[int] | str | None]:
     """The checks that need no model, each naming its flag: the record weights and the target layers to
     copy, parsed."""
-    from ..cpu.precision import PRECISION_CHOICES
     from .trainer import parse_record_weights
 
-    if args.mixed_precision not in PRECISION_CHOICES:
-        raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
+    _check_numbers(args)
     if (args.data is None) == (args.store is None):
         raise SystemExit("give exactly one of --data (regenerated JSONL) or --store (feature store folder)")
     if args.data is not None and args.hidden_weight:
@@ -324,7 +326,7 @@ def _check_settings(args) -> tuple[dict | None, list[int] | str | None]:
         _training_config(args, "no").validate()
     except ValueError as error:  # a named error, before any model loads
         raise SystemExit(f"hf-dflash2 train: {error}") from None
-    _check_train_args(args)
+    _check_train_paths(args)
     return record_weights, target_layers_init
 
 
@@ -475,6 +477,9 @@ def _train(args) -> tuple[int, int]:
     return trainer.step, min(args.steps, args.steps if args.stop_at is None else args.stop_at)
 
 
+HELDOUT_SLICE_PROMPTS = 16  # prompts in each of the ten disjoint held-out slices
+
+
 def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:
     """``count`` evaluation prompts, alternating HumanEval and MT-Bench (every 10th question: one per
     category; 16 prompts in all). Both sets are excluded from every training source
@@ -500,10 +505,14 @@ def _same_target(a: str, b: str) -> bool:
     return a == b or (Path(a).exists() and Path(b).exists() and Path(a).resolve() == Path(b).resolve())
 
 
-def _check_train_args(args) -> None:
-    """The head's shape options and the output folder, named, before any model loads."""
+def _check_numbers(args) -> None:
+    """The head's shape, the stopping points and the threads, each named (``--plan`` checks these too)."""
+    from ..cpu.precision import PRECISION_CHOICES
+
+    if args.mixed_precision not in PRECISION_CHOICES:
+        raise SystemExit(f"--mixed-precision {args.mixed_precision!r}: choose one of {PRECISION_CHOICES}")
     for name, least in (("layers", 1), ("block_size", 2), ("selector_rank", 1), ("selector_top_k", 1),
-                        ("max_sequences", 0)):  # --max-sequences 0: every sequence (the recipes' default)
+                        ("max_sequences", 0), ("threads", 0)):  # 0: every sequence; 0 threads: torch's default
         value = getattr(args, name)
         if value is not None and value < least:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= {least}, got {value}")
@@ -513,6 +522,13 @@ def _check_train_args(args) -> None:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1 (or left out), got {value}")
     if args.stop_after_minutes is not None and not args.stop_after_minutes > 0:
         raise SystemExit(f"--stop-after-minutes must be > 0 (or left out), got {args.stop_after_minutes}")
+    if args.eval_prompts > HELDOUT_SLICE_PROMPTS:
+        raise SystemExit(f"--eval-prompts must be at most {HELDOUT_SLICE_PROMPTS} (one held-out slice), "
+                         f"got {args.eval_prompts}")
+
+
+def _check_train_paths(args) -> None:
+    """The starting weights and the output folder, named, before any model loads."""
     if args.init_from:  # a weights-only start: the path is checked again, in full, when the weights are read
         source = Path(args.init_from)
         if not source.exists():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,7 +90,7 @@ class RegenerateSettings(TargetSettings):
     mixed_precision: str = field(default="auto", metadata=_help(PRECISION_HELP))
     linear_kernel: str = field(default="auto", metadata=_help(
         "CPU linear layers: oneDNN with packed weights, PyTorch's default, or auto (timed once at --batch-size "
-        "rows and cached; oneDNN where it is 1.1x faster)"))
+        "rows and cached; oneDNN where it is clearly faster)"))
 
     def __post_init__(self):
         from ..cpu.linear_kernels import check_linear_kernel
@@ -105,6 +106,12 @@ class RegenerateSettings(TargetSettings):
             raise ValueError(f"--repetition-penalty {self.repetition_penalty} must be > 0 (1.0: none)")
         if self.skip < 0:
             raise ValueError(f"--skip {self.skip} must be >= 0")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit {self.limit} must be >= 1 (or left out: every prompt)")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"--max-prompt-tokens {self.max_prompt_tokens} must be >= 1")
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"--temperature {self.temperature} must be a finite number > 0 with --do-sample")
 
     def regeneration_config(self) -> RegenerationConfig:
         return RegenerationConfig(**{name: getattr(self, name) for name in _REGENERATION})
@@ -155,8 +162,7 @@ class TrainCommand:
 @dataclass
 class TrainSettings(TargetSettings):
     """Everything ``hf-dflash2 train`` takes (beside ``TrainCommand``'s --config and --plan). Defaults shared
-    with ``TrainingConfig`` are read from it; the command's own (a fresh head's output scale, no logit ramp)
-    are stated here."""
+    with ``TrainingConfig`` are read from it; the head's shape and the command's own are stated here."""
 
     store: str | None = field(default=None, metadata=_help(
         "feature store folder from `hf-dflash2 store` (recommended)"))
@@ -262,7 +268,7 @@ class TrainSettings(TargetSettings):
     eval_every: int = field(default=TrainingConfig.eval_every, metadata=_help(
         "steps between held-out tau evaluations"))
     eval_prompts: int = field(default=TrainingConfig.eval_prompts, metadata=_help(
-        "held-out prompts per evaluation (HumanEval and MT-Bench, never trained on)"))
+        "held-out prompts per evaluation (HumanEval and MT-Bench alternating, never trained on; at most 16)"))
     eval_max_new_tokens: int = field(default=TrainingConfig.eval_max_new_tokens, metadata=_help(
         "tokens generated per evaluation prompt"))
     log_every: int = field(default=TrainingConfig.log_every, metadata=_help("steps between log lines"))

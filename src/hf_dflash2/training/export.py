@@ -161,8 +161,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     fallback = None
     if args.target_layer_ids:
+        from .config import parse_layer_ids
+
+        try:
+            layer_ids = parse_layer_ids(args.target_layer_ids)
+        except ValueError as error:
+            parser.error(str(error))
         fallback = {
-            "target_layer_ids": [int(i) for i in args.target_layer_ids.split(",")],
+            "target_layer_ids": layer_ids,
             "mask_token_id": args.mask_token_id,
             "block_size": args.block_size,
             "selector_top_k": 16,

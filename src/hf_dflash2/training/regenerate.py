@@ -7,8 +7,8 @@ appended with one write followed by fsync; a line cut short by a crash is droppe
 start (the file is rewritten atomically without it), and finished prompt ids are skipped.
 
 Batches are decoded by ``decode_batch``, not ``generate``: ``generate`` keeps every row of a batch until
-the longest one ends, and SmolLM2's responses to ShareGPT prompts average ~80 tokens against a 192-token
-budget, so most of its row-steps were spent on rows that had already ended. ``decode_batch`` drops a row
+the longest one ends, and most answers end well before the token budget, so most
+of its row-steps were spent on rows that had already ended. ``decode_batch`` drops a row
 from the KV cache as soon as it ends. Prompts are length-sorted within chunks (less left padding).
 """
 

@@ -46,7 +46,7 @@ class StoreMeta:
     vocab_size: int
     top_k: int = 32
     version: int = STORE_VERSION
-    notes: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)  # free-form, for whoever builds a store by hand
     # Stores written by 0.1.0 may lack this field: they keep no final hidden states.
     final_hidden: bool = False
 
@@ -116,6 +116,9 @@ class FeatureStore:
         meta_path = self.root / "meta.json"
         if meta_path.exists():
             stored = StoreMeta(**json.loads(meta_path.read_text()))
+            if stored.version != STORE_VERSION:
+                raise ValueError(f"{self.root}: a store of format version {stored.version}; this version of "
+                                 f"hf_dflash2 reads version {STORE_VERSION}")
             if meta is not None:
                 check_store_fields(self.root, stored, {name: getattr(meta, name) for name in _BUILD_FIELDS})
             self.meta = stored

@@ -163,6 +163,13 @@ class TrainingConfig:
             raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
         if not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1) (0: no moving average), got {self.ema_decay}")
+        for name in ("selector_weight", "weight_decay"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not (self.grad_clip > 0 and math.isfinite(self.grad_clip)):
+            raise ValueError(f"grad_clip must be a finite number > 0, got {self.grad_clip}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not (self.hidden_weight >= 0 and math.isfinite(self.hidden_weight)):
             raise ValueError(f"hidden_weight must be a finite number >= 0 (0: off), got {self.hidden_weight}")
         if self.loss_gamma is not None and not (self.loss_gamma > 0 and math.isfinite(self.loss_gamma)):
@@ -260,8 +267,8 @@ def store_sequences(store, max_length: int, record_weights: dict[str, int] | Non
 def feature_scale(feature_batches, sink_positions: int = 1) -> torch.Tensor:
     """Per-channel RMS [taps * H] of tapped target features, skipping each sequence's first position(s).
 
-    Small LMs carry "massive activations": on SmolLM2-135M one channel of the deep layers averages ~700
-    where the median channel is ~5, and the first token (the attention sink) reaches 25,000. A freshly
+    Small LMs carry "massive activations": a few channels of the deep layers average two orders of magnitude
+    above the median channel, and the first token (the attention sink) more (docs/training.md, lesson 1). A freshly
     initialised ``fc`` then projects every context position onto nearly the same direction, so the
     drafter cannot tell its context slots apart until Adam has shrunk those columns, hundreds of steps.
     The trainer therefore feeds ``fc`` features divided by this scale and folds the scale back into

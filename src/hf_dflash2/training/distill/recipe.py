@@ -103,9 +103,14 @@ class DistillRecipe:
         for name in ("layers", "block_size", "selector_rank", "selector_top_k", "num_taps", "batch_size", "anchors",
                      "warmup_steps", "max_length", "top_k", "regen_max_prompt_tokens", "regen_max_new_tokens",
                      "min_trunk_steps", "min_cool_steps", "checkpoint_every", "store_chunk_tokens", "eval_prompts",
-                     "eval_max_new_tokens", "check_prompts", "check_max_new_tokens"):
+                     "eval_max_new_tokens", "check_prompts", "check_max_new_tokens", "min_store_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checks < 0:
+            raise ValueError(f"checks must be >= 0 (0: no held-out check during the trunk), got {self.checks}")
+        if self.eval_prompts > 16 or self.check_prompts > 16:
+            raise ValueError(f"eval_prompts and check_prompts must be at most 16 (one held-out slice), got "
+                             f"{self.eval_prompts} and {self.check_prompts}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         for name in ("regen_share", "store_share", "cool_share", "eval_share"):
