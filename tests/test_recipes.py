@@ -133,7 +133,9 @@ def test_without_a_config_the_defaults_are_the_dataclass_defaults(capsys):
     (run,) = plan(capsys, "--output", "runs/x")
     expected = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
     assert {k: v for k, v in run.items() if k != "phase"} == {**expected, "output": "runs/x"}
-    assert expected["block_size"] == 16 and expected["output_scale"] == 0.1
+    # the committed head's shape and rate, as its recipe and `distill` state them
+    assert (expected["block_size"], expected["selector_rank"], expected["lr"], expected["batch_size"],
+            expected["output_scale"]) == (8, 128, 1e-3, 2, 0.1)
 
 
 def test_an_unknown_key_is_refused_by_name_before_anything_loads(tmp_path, monkeypatch):

@@ -172,9 +172,9 @@ class TrainSettings(TargetSettings):
         "run folder: checkpoint.pt, head/, history.json (required; with --config, the file may give it; "
         "a recipe's phases run in <output>/<phase name>)"))
     layers: int = field(default=2, metadata=_help("the head's transformer layers"))
-    block_size: int = field(default=16, metadata=_help(
-        "tokens per drafted block (anchor + B-1 drafts); the committed head: 8"))
-    selector_rank: int = field(default=256, metadata=_help("rank of the path selector's K x K pair scores"))
+    block_size: int = field(default=8, metadata=_help(
+        "tokens per drafted block (anchor + B-1 drafts)"))
+    selector_rank: int = field(default=128, metadata=_help("rank of the path selector's K x K pair scores"))
     selector_top_k: int = field(default=16, metadata=_help(
         "candidates per position the selector chooses among (K)"))
     target_layer_ids: str | None = field(default=None, metadata=_help(

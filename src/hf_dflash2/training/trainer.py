@@ -62,11 +62,12 @@ logger = logging.getLogger(__name__)
 class TrainingConfig:
     output_dir: str = "runs/dflash2"
     steps: int = 1000
-    batch_size: int = 1  # sequences per step and process
+    # The defaults are the committed head's recipe (recipes/smollm2-135m-dflash2.yaml), as `distill` uses it.
+    batch_size: int = 2  # sequences per step and process
     anchors_per_sequence: int = 64
     loss_positions: int | None = None  # drafted positions that get a loss (None = all B-1)
-    max_length: int = 512
-    learning_rate: float = 6e-4
+    max_length: int = 832
+    learning_rate: float = 1e-3
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     warmup_steps: int | None = None  # overrides warmup_ratio
