@@ -231,6 +231,20 @@ def test_model_card_without_results_or_base_model(tmp_path):
     assert (REPO / "src" / "hf_dflash2" / "model_cards" / "dflash2_head.md").exists()
 
 
+def test_the_card_command_takes_the_base_model_and_refuses_a_repo_id_push_would_refuse(tmp_path, capsys):
+    from hf_dflash2.cli import main
+
+    head = tmp_path / "head"
+    head.mkdir()
+    config = {"hidden_size": 64, "num_hidden_layers": 1, "dflash_config": {"block_size": 8, "target_layer_ids": [1, 2]}}
+    (head / "config.json").write_text(json.dumps(config))
+    (head / "model.safetensors").write_bytes(b"")
+    assert main(["card", str(head), "me/not a repo"]) == 2
+    assert "invalid repo id 'me/not a repo'" in capsys.readouterr().err and not (head / "README.md").exists()
+    assert main(["card", str(head), "me/head", "--base-model", "org/target"]) == 0
+    assert "base_model: org/target" in (head / "README.md").read_text()
+
+
 def test_a_gemma_base_model_heads_card_shows_plain_text_and_no_engine_it_cannot_run_on(tmp_path):
     """A head with Gemma's sandwich norms is not servable by vLLM or SGLang (Qwen3 layers), and a head distilled
     on a base model's plain continuations is used with plain text, not a chat template it does not have."""

@@ -130,6 +130,8 @@ class CardSettings:
                         metadata={"help": "with a bench report: whose numbers the card shows (default: the head's "
                                           "own drafts; dflash2_fast adds n-gram drafts)"})
     results: str | None = field(default=None, metadata={"help": "JSON written by `hf-dflash2 bench`"})
+    base_model: str | None = field(default=None, metadata={
+        "help": "target model id for the card, if config.json has no base_model"})
 
     def __post_init__(self):
         if self.method not in BENCH_METHODS:
@@ -151,8 +153,6 @@ class PushSettings(CardSettings):
     private: bool = field(default=False, metadata={"help": "create the repo private (ignored if it exists)"})
     revision: str | None = field(default=None, metadata={"help": "branch to commit to (default: main)"})
     create_pr: bool = field(default=False, metadata={"help": "open a pull request instead of committing to main"})
-    base_model: str | None = field(default=None, metadata={
-        "help": "target model id for the card, if config.json has no base_model"})
     endpoint: str | None = field(default=None, metadata={
         "help": "Hub endpoint (default: HF_ENDPOINT or https://huggingface.co)"})
     dry_run: str | None = field(default=None, metadata={

@@ -38,6 +38,8 @@ def cmd_push(args) -> int:
 def cmd_card(args) -> int:
     from pathlib import Path
 
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     from ..hub import is_head_folder, load_card_results, render_model_card
 
     settings = from_args(CardSettings, args)
@@ -45,12 +47,17 @@ def cmd_card(args) -> int:
     if not ok:
         print(f"error: {reason}", file=sys.stderr)
         return 2
+    try:  # the card names the repo in its usage code: the name push would refuse is refused here too
+        validate_repo_id(args.repo_id)
+    except HFValidationError as error:
+        print(f"error: invalid repo id {args.repo_id!r}: {error}", file=sys.stderr)
+        return 2
     try:
         results = load_card_results(settings.results, settings.method)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    card = render_model_card(args.head_folder, args.repo_id, results=results)
+    card = render_model_card(args.head_folder, args.repo_id, results=results, base_model=settings.base_model)
     (Path(args.head_folder) / "README.md").write_text(card, encoding="utf-8")
     print(f"wrote {Path(args.head_folder) / 'README.md'}")
     return 0
