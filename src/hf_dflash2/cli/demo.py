@@ -75,6 +75,7 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         with plain_configuration(target, side, 1):
             return target.generate(ids, max_new_tokens=tokens, **plain_sampling)
 
+    torch.manual_seed(settings.seed)
     with torch.no_grad():
         # The streamed answer is also the warm-up (kernels, the cost model); the timed runs come after it,
         # in rounds whose order rotates, and the medians count: one run on a shared CPU can be far off.
