@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from hf_dflash2.cpu import linear_kernels, precision
 from hf_dflash2.speculative_dflash2 import tapped_features
 from hf_dflash2.training.losses import sparse_cross_entropy
-from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store
+from hf_dflash2.training.store import FeatureStore, StoreMeta, build_store, check_store_fields
 from hf_dflash2.training.trainer import Trainer, TrainingConfig, parse_record_weights, store_sequences
 
 from .conftest import REPO, tiny_drafter, tiny_target
@@ -87,11 +87,12 @@ def test_store_resumes_and_rejects_a_different_target(tmp_path):
         FeatureStore(tmp_path / "nothing")
     # a store of another format version is refused by name, for reading and for appending, and left as it was
     meta = json.loads((tmp_path / "s" / "meta.json").read_text())
-    (tmp_path / "s" / "meta.json").write_text(json.dumps({**meta, "version": 2}))
+    (tmp_path / "s" / "meta.json").write_text(json.dumps({**meta, "version": 2, "a_later_field": 1}))
     before = sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir())
-    for args in ((), (meta_for(target),)):
+    for opened in (lambda: FeatureStore(tmp_path / "s"), lambda: FeatureStore(tmp_path / "s", meta_for(target)),
+                   lambda: check_store_fields(tmp_path / "s", fields={"top_k": 8})):  # the store command's early check
         with pytest.raises(ValueError, match="format version 2; this version of hf_dflash2 reads version 1"):
-            FeatureStore(tmp_path / "s", *args)
+            opened()
     assert sorted((p.name, p.stat().st_size) for p in (tmp_path / "s").iterdir()) == before
 
 

@@ -1076,3 +1076,23 @@ def test_loop_anchors_start_where_the_loops_rounds_start_and_train(tmp_path, mon
     for bad in (-0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match=r"loop_anchor_share must be in \[0, 1\]"):
             TrainingConfig(loop_anchor_share=bad).validate()
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"grad_clip": 0.0}, "grad_clip must be a finite number > 0, got 0.0"),
+    ({"grad_clip": float("nan")}, "grad_clip must be a finite number > 0, got nan"),
+    ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0, got -0.1"),
+    ({"selector_weight": float("inf")}, "selector_weight must be a finite number >= 0, got inf"),
+    ({"warmup_ratio": 1.0}, r"warmup_ratio must be in \[0, 1\), got 1.0"),
+])
+def test_optimizer_settings_are_refused_by_name(values, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingConfig(**values).validate()
+
+
+def test_export_refuses_layer_ids_that_are_not_integers_by_name(tmp_path):
+    from hf_dflash2.training.export import main as export_main
+
+    with pytest.raises(SystemExit, match="export: --target-layer-ids '1,x': expected comma-separated integers"):
+        export_main([str(tmp_path / "run"), str(tmp_path / "head"), "--target-layer-ids", "1,x"])
+    assert not (tmp_path / "head").exists()

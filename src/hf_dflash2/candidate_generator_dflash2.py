@@ -206,8 +206,8 @@ class DFlash2CandidateGenerator(CandidateGenerator):
         self.stats.verify_forwards += 1
 
 
-def candidate_generator_for(drafter, target, generation_config, logits_processor=None, input_ids=None, tokenizer=None,
-                            stopping_criteria=None):
+def candidate_generator_for(drafter, target, generation_config, *, logits_processor=None, input_ids=None,
+                            tokenizer=None, stopping_criteria=None):
     """Validate and build the generator (called from the hook before any target forward)."""
     if input_ids is not None and input_ids.shape[0] != 1:
         raise ValueError(

@@ -407,6 +407,16 @@ def _stage_upload(head_folder: Path, staging: Path, card: str, copy: bool = Fals
     (staging / "README.md").write_text(card, encoding="utf-8")
 
 
+def check_repo_id(repo_id: str) -> None:
+    """Refuse, by name, a repo id the Hub would refuse (before any upload, card or training)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as error:
+        raise ValueError(f"invalid repo id {repo_id!r}: {error}") from None
+
+
 def push_head(
     head_folder: str | Path,
     repo_id: str,
@@ -430,16 +440,12 @@ def push_head(
     ``RuntimeError`` when the Hub refuses or fails the upload.
     """
     import huggingface_hub
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     head_folder = Path(head_folder)
     ok, reason = is_head_folder(head_folder)
     if not ok:
         raise ValueError(reason)
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as error:
-        raise ValueError(f"invalid repo id {repo_id!r}: {error}") from None
+    check_repo_id(repo_id)
     if create_pr and revision not in (None, "main"):
         raise ValueError("--create-pr opens the pull request against the default branch: do not combine it with --revision")
     if dry_run is not None:

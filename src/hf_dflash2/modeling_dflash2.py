@@ -782,8 +782,8 @@ class DFlash2DraftModel(DFlash2PreTrainedModel):
                                 tokenizer=None, stopping_criteria=None):
         """Called by ``target.generate(assistant_model=self)`` (see ``candidate_generator_dflash2``);
         ``model_kwargs`` is part of the hook's signature and not needed here."""
-        return candidate_generator_for(self, target, generation_config, logits_processor, input_ids, tokenizer,
-                                       stopping_criteria)
+        return candidate_generator_for(self, target, generation_config, logits_processor=logits_processor,
+                                       input_ids=input_ids, tokenizer=tokenizer, stopping_criteria=stopping_criteria)
 
     # ------------------------------------------------------------------ saving
     @classmethod

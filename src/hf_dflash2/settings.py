@@ -114,8 +114,8 @@ class DemoSettings(SamplingSettings):
     mixed_precision: str = field(default="auto", metadata={"help": PRECISION_HELP_DECODE + " (both runs, same dtype)"})
     linear_kernel: str = field(default="auto", metadata={"help": LINEAR_KERNEL_HELP})
     repeats: int = field(default=3, metadata={"help": "timed runs of each side, interleaved; the median run counts"})
-    seed: int = field(default=0, metadata={"help": "torch's seed before the first run (with --temperature > 0, "
-                                                   "the streamed answer is then the same on every call)"})
+    seed: int = field(default=0, metadata={"help": "seed of the streamed answer's sampling (--temperature > 0): "
+                                                   "the same seed streams the same answer"})
 
     def __post_init__(self):
         super().__post_init__()

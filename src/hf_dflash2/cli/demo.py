@@ -75,12 +75,12 @@ def run_demo(prompt: str, settings: DemoSettings | None = None) -> dict:
         with plain_configuration(target, side, 1):
             return target.generate(ids, max_new_tokens=tokens, **plain_sampling)
 
-    torch.manual_seed(settings.seed)
     with torch.no_grad():
         # The streamed answer is also the warm-up (kernels, the cost model); the timed runs come after it,
         # in rounds whose order rotates, and the medians count: one run on a shared CPU can be far off.
         result = speculative_generate(target, drafter, ids, max_new_tokens=max_new_tokens, streamer=streamer,
-                                      linear_kernel=settings.linear_kernel, **sampling)
+                                      linear_kernel=settings.linear_kernel,
+                                      generator=torch.Generator(target.device).manual_seed(settings.seed), **sampling)
         for side in plain_sides:
             plain_generate(side, 4)
         sides = ["spec", *plain_sides]

@@ -38,9 +38,7 @@ def cmd_push(args) -> int:
 def cmd_card(args) -> int:
     from pathlib import Path
 
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from ..hub import is_head_folder, load_card_results, render_model_card
+    from ..hub import check_repo_id, is_head_folder, load_card_results, render_model_card
 
     settings = from_args(CardSettings, args)
     ok, reason = is_head_folder(args.head_folder)
@@ -48,9 +46,9 @@ def cmd_card(args) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     try:  # the card names the repo in its usage code: the name push would refuse is refused here too
-        validate_repo_id(args.repo_id)
-    except HFValidationError as error:
-        print(f"error: invalid repo id {args.repo_id!r}: {error}", file=sys.stderr)
+        check_repo_id(args.repo_id)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     try:
         results = load_card_results(settings.results, settings.method)

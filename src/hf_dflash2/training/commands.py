@@ -14,6 +14,7 @@ import random
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ..assets import HELDOUT_SLICE_PROMPTS
 from ..prompts import apply_chat_template_option
 from ..settings import add_arguments, from_args
 from .config import RegenerateSettings, StoreSettings, TrainCommand, TrainSettings, parse_layer_ids
@@ -475,9 +476,6 @@ def _train(args) -> tuple[int, int]:
         (Path(args.output) / "history.json").write_text(json.dumps(trainer.history, indent=1))
         logger.info("head written to %s", head)
     return trainer.step, min(args.steps, args.steps if args.stop_at is None else args.stop_at)
-
-
-HELDOUT_SLICE_PROMPTS = 16  # prompts in each of the ten disjoint held-out slices
 
 
 def heldout_prompts(count: int, slice_index: int = 0) -> list[dict]:

@@ -125,7 +125,8 @@ class StoreSettings(TargetSettings):
     source: str = field(default="sharegpt", metadata=_help(
         "comma-separated: 'sharegpt' and/or regenerated JSONL files"))
     max_tokens: int = field(default=1_000_000, metadata=_help("stop when the store holds this many tokens"))
-    max_length: int = field(default=512, metadata=_help("tokens per sequence (prompt + response)"))
+    max_length: int = field(default=TrainingConfig.max_length, metadata=_help(
+        "tokens per sequence (prompt + response), as train reads them"))
     top_k: int = field(default=32, metadata=_help("target log-probabilities kept per position"))
     target_layer_ids: str | None = field(default=None, metadata=_help(
         "comma-separated tapped layers (default: 5 evenly spaced)"))
@@ -162,7 +163,8 @@ class TrainCommand:
 @dataclass
 class TrainSettings(TargetSettings):
     """Everything ``hf-dflash2 train`` takes (beside ``TrainCommand``'s --config and --plan). Defaults shared
-    with ``TrainingConfig`` are read from it; the head's shape and the command's own are stated here."""
+    with ``TrainingConfig`` are read from it; the head's shape and the command's own (a damped fresh head,
+    no logit ramp: see ``TrainingConfig.logit_ramp_steps``) are stated here."""
 
     store: str | None = field(default=None, metadata=_help(
         "feature store folder from `hf-dflash2 store` (recommended)"))
@@ -226,9 +228,9 @@ class TrainSettings(TargetSettings):
         "to cool it down into a head while the trunk goes on)", choices=("cosine", "wsd")))
     decay_steps: int | None = field(default=TrainingConfig.decay_steps, metadata=_help(
         "with --lr-schedule wsd: the cool-down's length (default: 20%% of the steps after warmup)"))
-    output_scale: float = field(default=TrainingConfig.output_scale, metadata=_help(
+    output_scale: float = field(default=0.1, metadata=_help(
         "a fresh head's output norm starts at this fraction of the target's final-norm scale"))
-    logit_ramp_steps: int = field(default=TrainingConfig.logit_ramp_steps, metadata=_help(
+    logit_ramp_steps: int = field(default=0, metadata=_help(
         "steps over which a fresh head's logit scale grows to 1 (capped at the warmup; 0: none)"))
     ema_decay: float = field(default=TrainingConfig.ema_decay, metadata=_help(
         "keep a moving average of the weights with this decay (e.g. 0.998; 0: none), checkpointed beside "

@@ -166,7 +166,7 @@ def main(argv=None) -> int:
         try:
             layer_ids = parse_layer_ids(args.target_layer_ids)
         except ValueError as error:
-            parser.error(str(error))
+            raise SystemExit(f"export: {error}") from None
         fallback = {
             "target_layer_ids": layer_ids,
             "mask_token_id": args.mask_token_id,

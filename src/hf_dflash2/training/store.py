@@ -80,6 +80,16 @@ def _fsync_write(path: Path, array: np.ndarray) -> None:
 _BUILD_FIELDS = ("target", "target_layer_ids", "hidden_size", "vocab_size", "top_k", "final_hidden")
 
 
+def read_store_meta(root: str | Path) -> StoreMeta:
+    """The ``meta.json`` of the store at ``root``; a store of another format version is refused by name before
+    its fields are read (a later version may have others)."""
+    meta = json.loads((Path(root) / "meta.json").read_text())
+    if meta.get("version", STORE_VERSION) != STORE_VERSION:
+        raise ValueError(f"{root}: a store of format version {meta['version']}; this version of hf_dflash2 reads "
+                         f"version {STORE_VERSION}")
+    return StoreMeta(**meta)
+
+
 def check_store_fields(root: str | Path, stored: StoreMeta | None = None, fields: dict | None = None) -> None:
     """Refuse to append to the store at ``root`` with build ``fields`` other than its own (named in the error).
 
@@ -91,7 +101,7 @@ def check_store_fields(root: str | Path, stored: StoreMeta | None = None, fields
         meta_path = Path(root) / "meta.json"
         if not meta_path.exists():
             return
-        stored = StoreMeta(**json.loads(meta_path.read_text()))
+        stored = read_store_meta(root)
     for name, value in (fields or {}).items():
         if name not in _BUILD_FIELDS:
             raise KeyError(f"{name!r} is not a store build field; those are {_BUILD_FIELDS}")
@@ -115,10 +125,7 @@ class FeatureStore:
         self.writable = meta is not None
         meta_path = self.root / "meta.json"
         if meta_path.exists():
-            stored = StoreMeta(**json.loads(meta_path.read_text()))
-            if stored.version != STORE_VERSION:
-                raise ValueError(f"{self.root}: a store of format version {stored.version}; this version of "
-                                 f"hf_dflash2 reads version {STORE_VERSION}")
+            stored = read_store_meta(self.root)
             if meta is not None:
                 check_store_fields(self.root, stored, {name: getattr(meta, name) for name in _BUILD_FIELDS})
             self.meta = stored

@@ -78,10 +78,13 @@ class TrainingConfig:
     # a cool-down of ~20 % matches cosine at the same budget).
     lr_schedule: str = "cosine"
     decay_steps: int | None = None  # wsd's cool-down; None: 20 % of the steps after warmup
-    # A fresh head starts its output norm damped (``for_target``'s ``output_scale``, recorded here) instead of
-    # ramping its logits: a ramp sharpens what the head has learnt under a rising rate (docs/training.md).
-    logit_ramp_steps: int = 0  # >0: a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
-    output_scale: float = 0.1  # the fresh head's output norm, as a fraction of the target's
+    # Two ways to start a fresh head, in pairs. ``for_target``'s default head is undamped (output_scale 1.0,
+    # recorded here), so the Python API ramps its logits up over the first steps, capped at the warmup; without
+    # that a first loss can be many times a uniform guess's. `train` and `distill` build the head damped
+    # (output_scale 0.1) and ramp nothing: a ramp sharpens what a head has learnt under a rising rate
+    # (docs/training.md, lesson 2).
+    logit_ramp_steps: int = 20  # a fresh head's logit scale reaches 1 after this many steps (at most the warmup)
+    output_scale: float = 1.0  # the fresh head's output norm, as a fraction of the target's (recorded)
     grad_clip: float = 1.0
     selector_weight: float = 1.0
     vocab_subset: str = "data"  # "data": softmax over tokens present in the data; "full": whole vocab

@@ -230,7 +230,7 @@ def training_config(recipe: DistillRecipe, output_dir: Path, steps: int, warmup:
     return TrainingConfig(
         output_dir=str(output_dir), steps=steps, batch_size=recipe.batch_size, anchors_per_sequence=recipe.anchors,
         max_length=recipe.max_length, learning_rate=recipe.learning_rate, warmup_steps=warmup, lr_schedule="wsd",
-        decay_steps=decay_steps, output_scale=recipe.output_scale, label_source=recipe.label_source,
+        decay_steps=decay_steps, logit_ramp_steps=0, output_scale=recipe.output_scale, label_source=recipe.label_source,
         vocab_subset="data", draft_vocab_size=recipe.draft_vocab_size, seed=recipe.seed, mixed_precision=precision,
         checkpoint_every=recipe.checkpoint_every, log_every=10**9, eval_prompts=recipe.check_prompts,
         eval_max_new_tokens=recipe.check_max_new_tokens,

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-from ...assets import offline_target, resolve_target
+from ...assets import HELDOUT_SLICE_PROMPTS, offline_target, resolve_target
 from ...configuration_dflash2 import default_target_layer_ids
+from ...hub import check_repo_id
 from ...prompts import CHAT_TEMPLATE_HELP, chat_template_argument
 from ..config import GGUF_FILE_HELP, TARGET_HELP
 
@@ -108,9 +108,9 @@ class DistillRecipe:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.checks < 0:
             raise ValueError(f"checks must be >= 0 (0: no held-out check during the trunk), got {self.checks}")
-        if self.eval_prompts > 16 or self.check_prompts > 16:
-            raise ValueError(f"eval_prompts and check_prompts must be at most 16 (one held-out slice), got "
-                             f"{self.eval_prompts} and {self.check_prompts}")
+        if max(self.eval_prompts, self.check_prompts) > HELDOUT_SLICE_PROMPTS:
+            raise ValueError(f"eval_prompts and check_prompts must be at most {HELDOUT_SLICE_PROMPTS} (one held-out "
+                             f"slice), got {self.eval_prompts} and {self.check_prompts}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         for name in ("regen_share", "store_share", "cool_share", "eval_share"):
@@ -190,9 +190,9 @@ class DistillSettings:
         parse_budget(self.budget)
         if self.push:
             try:
-                validate_repo_id(self.push)
-            except HFValidationError as error:
-                raise DistillError(f"--push {self.push!r}: {error}") from None
+                check_repo_id(self.push)
+            except ValueError as error:
+                raise DistillError(f"--push: {error}") from None
 
 
 def check_output(output: Path) -> None:
