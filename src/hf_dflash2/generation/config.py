@@ -210,7 +210,6 @@ def validate_generation_inputs(target, drafter, input_ids, attention_mask, max_n
         if right_padded:
             raise ValueError(f"rows {right_padded} of the batch end in padding: speculative_generate continues each "
                              "row after its last column, so pad on the left (tokenizer.padding_side = 'left')")
-    check_max_new_tokens(max_new_tokens)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size:
         raise ValueError(f"block_size must be an integer >= 2, got {block_size!r}")
     embedding = target.get_input_embeddings()

@@ -489,12 +489,11 @@ def speculative_generate(
         pad_token_id=UNSET if pad_token_id is None else pad_token_id, **generation_kwargs,
     )
     # Given here, max_new_tokens bypasses GenerationConfig's check, which refuses 0 (a no-op call to us).
-    if max_new_tokens is not None:
-        check_max_new_tokens(max_new_tokens)
-    else:
+    if max_new_tokens is None:
         max_new_tokens = new_token_budget(config, input_ids.shape[1],
                                            target.config.get_text_config().max_position_embeddings,
                                            block_size or drafter.config.block_size)
+    check_max_new_tokens(max_new_tokens)  # before any arithmetic on it
     stop_strings = None
     if config.stop_strings:
         if tokenizer is None:

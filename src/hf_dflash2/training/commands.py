@@ -504,7 +504,8 @@ def _same_target(a: str, b: str) -> bool:
 
 
 def _check_numbers(args) -> None:
-    """The head's shape, the stopping points and the threads, each named (``--plan`` checks these too)."""
+    """The checks a value alone decides, each naming its flag (``--plan`` makes these too): precision, the head's
+    shape, the stopping points, threads and evaluation prompts."""
     from ..cpu.precision import PRECISION_CHOICES
 
     if args.mixed_precision not in PRECISION_CHOICES:
